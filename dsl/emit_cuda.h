@@ -1,0 +1,28 @@
+// Checked IR -> CUDA C++. The only place in flexc that writes CUDA from a mod; user identifiers
+// never appear in the output (params and captures are referred to by slot).
+#pragma once
+
+#include <string>
+
+#include "dsl/ir.h"
+
+namespace flexc::dsl {
+
+// Everything the kernels' hooks need from one variant.
+struct EmitInput {
+  const Graph* score = nullptr;  // root: Float; reads Input::Score
+  const Graph* mask = nullptr;   // root: Bool
+  const Decls* decls = nullptr;
+  std::string variant_name;      // only written into a comment, sanitised
+};
+
+// Emits the text of `flexc_variant.cuh`, a header defining `struct FlexcVariant` with the hooks
+// documented in templates/flexc_hooks.cuh:
+//   score_mod, mask_mod, score_mod_grad (d score_mod / d score), capture gradient accumulation,
+//   and constexpr facts (kIdentityScore, kMaskAlwaysTrue, kMaskReadsB, ...).
+// The text is a pure function of the inputs (stable cache keys). Each statement that comes from
+// user code carries a `// @score_mod:<begin>:<end>` or `// @mask_mod:<begin>:<end>` marker comment
+// on its line so that compiler errors can be mapped back to the user's expression.
+std::string emit_cuda_variant(const EmitInput& in);
+
+}  // namespace flexc::dsl

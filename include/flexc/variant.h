@@ -1,0 +1,94 @@
+// flexc::Variant: an attention variant (score_mod + mask_mod + what they capture), checked.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flexc/error.h"
+
+namespace flexc {
+
+namespace detail {
+struct VariantImpl;  // defined in src/; holds the checked IR
+}
+
+// A captured tensor the mods index, e.g. `bias[h, q_idx - kv_idx + 4095]`.
+struct CaptureSpec {
+  std::string name;
+  std::string dtype;              // "int32", "float32", "bf16", "fp16", "bool"
+  std::vector<std::string> dims;  // each a number or one of "B", "H", "Q_LEN", "KV_LEN"
+};
+
+// A scalar parameter. `runtime` ones are kernel arguments (changing them never recompiles);
+// `const` ones are folded into the generated code.
+struct ParamSpec {
+  std::string name;
+  std::string type = "float";  // "int" or "float"
+  double default_value = 0;
+  bool is_const = false;
+};
+
+// What a mod reads.
+struct ModDeps {
+  bool score = false, b = false, h = false, q_idx = false, kv_idx = false, q_len = false,
+       kv_len = false;
+  std::vector<std::string> params, captures;
+};
+
+class Variant {
+ public:
+  // From expressions. Throws flexc::Error with clang-style diagnostics on bad input.
+  static Variant from_strings(std::string_view score_mod, std::string_view mask_mod = "true",
+                              std::vector<CaptureSpec> captures = {},
+                              std::vector<ParamSpec> params = {}, std::string name = "custom");
+  // From a JSON config (schema in docs/dsl.md). `origin` names the file in messages.
+  static Variant from_json(std::string_view json_text, std::string_view origin = "<json>");
+  static Variant from_json_file(const std::filesystem::path& path);
+  // The built-in catalogue (examples/variants/, embedded at build time).
+  static Variant from_catalogue(std::string_view name);
+  static std::vector<std::string> catalogue_names();
+
+  const std::string& name() const;
+  const std::string& description() const;
+  const std::vector<CaptureSpec>& captures() const;
+  const std::vector<ParamSpec>& params() const;
+
+  // Normalized (checked, simplified) expressions, and d score_mod / d score.
+  std::string score_mod_text() const;
+  std::string mask_mod_text() const;
+  std::string score_grad_text() const;
+  ModDeps score_deps() const;
+  ModDeps mask_deps() const;
+  bool identity_score() const;    // score_mod is `score`
+  bool mask_always_true() const;  // mask_mod is `true`
+
+  // Composition on checked trees. Declarations merge by name (the same name must declare the
+  // same thing). and/or/not combine masks; the score_mods must not conflict (at most one side
+  // may have a non-identity score_mod). compose(outer, inner): score = outer(inner(score)),
+  // mask = outer.mask && inner.mask.
+  friend Variant and_masks(const Variant& a, const Variant& b);
+  friend Variant or_masks(const Variant& a, const Variant& b);
+  friend Variant not_mask(const Variant& a);
+  friend Variant compose(const Variant& outer, const Variant& inner);
+
+  // Returns a copy with a new name.
+  Variant renamed(std::string name) const;
+
+  // For flexc's own code (src/): the checked IR.
+  const detail::VariantImpl& impl() const { return *impl_; }
+  explicit Variant(std::shared_ptr<const detail::VariantImpl> impl) : impl_(std::move(impl)) {}
+
+ private:
+  std::shared_ptr<const detail::VariantImpl> impl_;
+};
+
+Variant and_masks(const Variant& a, const Variant& b);
+Variant or_masks(const Variant& a, const Variant& b);
+Variant not_mask(const Variant& a);
+Variant compose(const Variant& outer, const Variant& inner);
+
+}  // namespace flexc
