@@ -44,3 +44,25 @@ struct FlexcArgs {
   float fparam[FLEXC_MAX_PARAMS];  // runtime Float params by slot
   int iparam[FLEXC_MAX_PARAMS];    // runtime Int params by slot
 };
+
+// A BlockMask as the kernels read it (layout after FlexAttention's; built by src/blockmask.cpp).
+// For q tile `qt` of batch b, query head h (bb = nb == 1 ? 0 : b, hh = nh == 1 ? 0 : h):
+//   row = (bb * nh + hh) * num_q_tiles + qt
+//   kv_num[row] partial kv tiles, listed at kv_idx[row * num_kv_tiles + i] (ascending);
+//   full_kv_num[row] full kv tiles, listed at full_kv_idx[row * num_kv_tiles + i] (ascending).
+// The transposes (for the backward pass) list q tiles per kv tile the same way:
+//   col = (bb * nh + hh) * num_kv_tiles + kt; q_num[col], q_idx[col * num_q_tiles + i], full_q_*.
+// Empty tiles appear in no list and are never loaded.
+struct FlexcBlockMask {
+  const int* kv_num;
+  const int* kv_idx;
+  const int* full_kv_num;
+  const int* full_kv_idx;
+  const int* q_num;
+  const int* q_idx;
+  const int* full_q_num;
+  const int* full_q_idx;
+  int nb, nh;                     // 1 when broadcast over batch / heads
+  int num_q_tiles, num_kv_tiles;
+  int q_tile, kv_tile;            // tile sizes in tokens
+};
