@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -21,6 +22,9 @@ struct Deps {
 };
 Deps dependencies(const Graph& g, NodeId root);
 
+// reached[id] for id <= root: whether `root` depends on node `id` (itself included).
+std::vector<char> reachable(const Graph& g, NodeId root);
+
 // The score_mod returns `score` unchanged (after simplification).
 bool is_identity_score(const Graph& g, NodeId root);
 // The mask_mod is the constant `true`.
@@ -28,7 +32,13 @@ bool is_all_true_mask(const Graph& g, NodeId root);
 
 // ---- simplification: constant folding and exact identities only (a float result never changes,
 // NaN and signed zeros included). Returns a new graph holding only what the root reaches.
+// A float operation on constants is folded only when its float32 and float64 results agree (so
+// neither the kernel's nor the oracle's value moves: `2.0 * 3.0` folds, `0.1 * 3.0` stays), and
+// transcendental functions and sqrt are never folded (CUDA's may differ from the host's).
 Graph simplify(const Graph& g);
+// The same rewrite of the expression at `root`, added to `g` itself; returns its new root. Nodes
+// it no longer needs stay in `g` (unreachable from the result).
+NodeId simplify_into(Graph& g, NodeId root);
 
 // ---- interpretation (the CPU oracle). Semantics as documented in dsl/ir.h.
 
@@ -59,8 +69,26 @@ struct Value {
 enum class Precision { F64, F32 };
 
 // Evaluates every node reachable from the root; `scratch` avoids reallocations in hot loops.
+// (It walks all nodes with ids up to the root: on a simplified graph those are exactly the
+// reachable ones.) Choices ir.h leaves open, which the CUDA emitter implements identically:
+//  - min/max of floats follow CUDA's fminf/fmaxf: a NaN operand is ignored (NaN only if both
+//    are), and -0.0 counts as less than +0.0; clamp(x, lo, hi) = min(max(x, lo), hi).
+//  - sign(x) is 1 or -1 for x > 0 or x < 0 and x itself otherwise (±0 and NaN stay); on ints
+//    -1/0/1. abs(INT_MIN) == INT_MIN (wrap).
+//  - sigmoid(x) = 1 / (1 + exp(-x)), rsqrt(x) = 1 / sqrt(x).
+//  - F32: constants, params, score and promoted ints are rounded to float32 where they enter;
+//    float `%` rounds its three steps separately (no fused multiply-add).
+//  - An Int param's value is converted like int(); a Bool capture element is true when nonzero.
+// Throws std::invalid_argument when env lacks a param or capture the graph reads, or a capture's
+// dtype, rank or shape does not fit its Load.
 Value evaluate(const Graph& g, const EvalEnv& env, Precision p = Precision::F64);
 Value evaluate(const Graph& g, const EvalEnv& env, Precision p, std::vector<Value>& scratch);
+// The same for the expression at `root` (e.g. a derivative added to the mod's graph).
+Value evaluate(const Graph& g, NodeId root, const EvalEnv& env, Precision p,
+               std::vector<Value>& scratch);
+// One operation (not a leaf: Const, Input, Param, Load) applied to its operands' values, which for
+// F32 must already be float32 values.
+Value evaluate_op(const Node& n, std::span<const Value> args, Precision p);
 
 // ---- derivatives of a score_mod, for the backward kernel
 
@@ -69,6 +97,8 @@ NodeId derivative_wrt_score(Graph& g, NodeId root);
 
 // For each Load node of a Float capture that the root depends on: d(root)/d(that loaded value).
 // The backward kernel adds dScore * derivative into the capture's gradient at the same index.
+// Loads whose derivative is identically zero (e.g. read only through floor or a comparison) are
+// left out. Listed in node order.
 struct LoadDerivative {
   NodeId load;        // the Load node (its indices say where the gradient goes)
   NodeId derivative;  // expression in the same graph
@@ -89,7 +119,8 @@ struct IntervalEnv {
   int64_t q_len = 0, kv_len = 0;
   std::span<const double> params;  // runtime param values (known at BlockMask build time)
   // Optional: the range of values of capture `slot` over index box `idx` (one IntRange per dim,
-  // already inside [0, dim)). Return nullopt when unknown. Absent: captures are unknown.
+  // already inside [0, dim)). Return nullopt when unknown (and for a Float capture, when an
+  // element in the box is NaN). A Bool capture's range is over 0/1. Absent: captures are unknown.
   std::function<std::optional<std::pair<double, double>>(uint16_t slot,
                                                          std::span<const IntRange> idx)>
       capture_range;
@@ -97,7 +128,25 @@ struct IntervalEnv {
   std::span<const std::vector<int64_t>> capture_shapes;
 };
 
-// Sound: AlwaysTrue only if the mask is true at every point of the tile (AlwaysFalse likewise).
+// Sound: AlwaysTrue only if the mask is true at every point of the tile (AlwaysFalse likewise),
+// for the float64 oracle and for a float32 kernel alike (float results are widened by a margin
+// that covers float32 rounding and CUDA's math functions). Exact on comparisons of linear
+// expressions of the indices and on the catalogue's masks away from their boundaries.
 Verdict interval_verdict(const Graph& g, NodeId root, const IntervalEnv& env);
+
+// The same for many tiles of one mask: keeps its scratch between calls (interval_verdict builds
+// one per call). `g` must outlive it; one evaluator per thread.
+class IntervalEvaluator {
+ public:
+  IntervalEvaluator(const Graph& g, NodeId root);
+  ~IntervalEvaluator();
+  IntervalEvaluator(IntervalEvaluator&&) noexcept;
+  IntervalEvaluator& operator=(IntervalEvaluator&&) noexcept;
+  Verdict verdict(const IntervalEnv& env);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace flexc::dsl
