@@ -11,8 +11,14 @@ namespace flexc::dsl {
 // Hard limits: input past them is an error with a clear message, never a stack overflow.
 struct Limits {
   size_t max_source_bytes = 64 * 1024;
-  int max_depth = 256;          // nesting of parentheses / operators / calls
+  // Nesting of parentheses / operators / calls, and the depth of the IR (so a long chain
+  // `a + b + ...` counts too: the printer and other passes recurse on it).
+  int max_depth = 256;
   size_t max_nodes = 20000;     // IR nodes after checking
+  // Size of the expression with every let inlined (what to_text prints): lets that reuse each
+  // other can double it per line.
+  size_t max_expanded_nodes = 100000;
+  size_t max_errors = 20;       // errors reported before giving up
 };
 
 // Parses and checks one mod. `kind` fixes the result type (Score: float, Mask: bool) and which
