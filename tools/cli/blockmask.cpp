@@ -1,0 +1,205 @@
+// `flexc blockmask CONFIG.json|@name --q-len N ...`: builds a variant's BlockMask and prints its
+// picture, sparsity, tile counts, what the interval analysis decided, and the build time.
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <fmt/format.h>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/variant.h"
+
+namespace flexc::cli {
+namespace {
+
+struct Options {
+  std::string config;
+  int64_t q_len = 0, kv_len = 0, batch = 1, heads = 1, tile = 128, q_tile = 0, kv_tile = 0;
+  int64_t rows = 32, cols = 32;
+  std::vector<std::string> params, captures;
+  std::string device = "auto";
+  bool brute_force = false;
+};
+
+// "NAME=VALUE" -> {NAME, VALUE}.
+std::pair<std::string, std::string> split_assignment(const std::string& s, const char* what) {
+  const size_t eq = s.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error(fmt::format("{} '{}': expected NAME=VALUE", what, s));
+  return {s.substr(0, eq), s.substr(eq + 1)};
+}
+
+int64_t parse_int(std::string_view s, std::string_view what) {
+  int64_t v = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size())
+    throw Error(fmt::format("{}: '{}' is not an integer", what, s));
+  return v;
+}
+
+// Document ids along the last dim of a capture, repeated over its leading dims:
+//   doc:S1,S2,...  documents start at token 0, S1, S2, ... (ascending)
+//   docs:N         N documents of (nearly) equal length
+std::vector<int32_t> document_ids(const std::string& name, const std::string& spec,
+                                  const std::vector<int64_t>& shape) {
+  const int64_t n = shape.back();
+  std::vector<int64_t> starts{0};
+  if (spec.starts_with("docs:")) {
+    const int64_t k = parse_int(spec.substr(5), "--capture " + name);
+    if (k < 1) throw Error(fmt::format("--capture {}: docs:N needs N >= 1", name));
+    for (int64_t i = 1; i < k; ++i) starts.push_back(i * n / k);
+  } else {
+    std::string_view rest = std::string_view(spec).substr(4);
+    while (!rest.empty()) {
+      const size_t comma = rest.find(',');
+      const int64_t s = parse_int(rest.substr(0, comma), "--capture " + name);
+      if (s < starts.back())
+        throw Error(fmt::format("--capture {}: document starts must ascend ({} after {})", name, s,
+                                starts.back()));
+      if (s > 0) starts.push_back(s);
+      rest = comma == std::string_view::npos ? "" : rest.substr(comma + 1);
+    }
+  }
+  std::vector<int32_t> ids(n);
+  size_t doc = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    while (doc + 1 < starts.size() && starts[doc + 1] <= t) ++doc;
+    ids[t] = int32_t(doc);
+  }
+  const int64_t rows =
+      std::accumulate(shape.begin(), shape.end() - 1, int64_t(1), std::multiplies<>());
+  std::vector<int32_t> all;
+  all.reserve(rows * n);
+  for (int64_t r = 0; r < rows; ++r) all.insert(all.end(), ids.begin(), ids.end());
+  return all;
+}
+
+void run(const Options& o) {
+  const Variant v = o.config.starts_with('@') ? Variant::from_catalogue(o.config)
+                                              : Variant::from_json_file(o.config);
+  const int64_t kv_len = o.kv_len ? o.kv_len : o.q_len;
+  BlockMaskOptions bo;
+  bo.q_tile = o.q_tile ? o.q_tile : o.tile;
+  bo.kv_tile = o.kv_tile ? o.kv_tile : o.tile;
+  bo.analytic = !o.brute_force;
+  bo.device = o.device == "cpu"   ? BuildDevice::Cpu
+              : o.device == "gpu" ? BuildDevice::Gpu
+                                  : BuildDevice::Auto;
+  for (const std::string& p : o.params) {
+    auto [name, value] = split_assignment(p, "--param");
+    double x = 0;
+    auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), x);
+    if (ec != std::errc() || end != value.data() + value.size())
+      throw Error(fmt::format("--param {}: '{}' is not a number", name, value));
+    bo.params[name] = x;
+  }
+  std::vector<std::vector<int32_t>> storage;
+  for (const std::string& c : o.captures) {
+    auto [name, spec] = split_assignment(c, "--capture");
+    const auto& specs = v.captures();
+    auto it = std::find_if(specs.begin(), specs.end(), [&](auto& s) { return s.name == name; });
+    if (it == specs.end())
+      throw Error(fmt::format("--capture {}: the variant declares no such capture", name));
+    if (!spec.starts_with("doc:") && !spec.starts_with("docs:"))
+      throw Error(
+          fmt::format("--capture {}: expected doc:S1,S2,... or docs:N, got '{}'", name, spec));
+    if (it->dtype != "int32")
+      throw Error(fmt::format("--capture {}: document ids need an int32 capture, it is {}", name,
+                              it->dtype));
+    std::vector<int64_t> shape;
+    for (const std::string& d : it->dims)
+      shape.push_back(d == "B"        ? o.batch
+                      : d == "H"      ? o.heads
+                      : d == "Q_LEN"  ? o.q_len
+                      : d == "KV_LEN" ? kv_len
+                                      : parse_int(d, "capture dim"));
+    storage.push_back(document_ids(name, spec, shape));
+    bo.captures[name] = CaptureData{storage.back().data(), nullptr, shape, {}};
+  }
+
+  for (const std::string& c : v.mask_deps().captures)
+    if (!bo.captures.contains(c))
+      throw Error(
+          fmt::format("mask_mod reads capture '{}': pass --capture {}=doc:S1,S2,... or "
+                      "--capture {}=docs:N",
+                      c, c, c));
+
+  // A GPU build returns once its work is enqueued; the time until the host copy is back bounds
+  // it from above (the copy itself included). The first GPU build also compiles the kernels.
+  using Clock = std::chrono::steady_clock;
+  auto build = [&] {
+    const auto t0 = Clock::now();
+    BlockMask m = create_block_mask(v, o.batch, o.heads, o.q_len, kv_len, bo);
+    m.host();
+    return std::pair{m, std::chrono::duration<double, std::milli>(Clock::now() - t0).count()};
+  };
+  auto [m, first_ms] = build();
+  const BlockMaskStats& st = m.stats();
+  std::string timing = fmt::format("{:.3f} ms", first_ms);
+  if (st.device == "gpu") {
+    auto [again, warm_ms] = build();
+    timing = fmt::format(
+        "{:.3f} ms on the host, {:.3f} ms until the lists are back on the host (first build, "
+        "with JIT: {:.3f} ms)",
+        again.stats().host_ms, warm_ms, first_ms);
+  }
+  fmt::print("{}", m.to_string(o.rows, o.cols));
+  fmt::print("variant     {}   mask_mod  {}\n", v.name(), v.mask_mod_text());
+  fmt::print("tiles       {} = {} x {} x {} q tiles x {} kv tiles of {}x{}\n", st.tiles, m.nb(),
+             m.nh(), m.num_q_tiles(), m.num_kv_tiles(), m.q_tile(), m.kv_tile());
+  fmt::print("counts      full {}, partial {}, empty {}   sparsity {:.2f}%\n",
+             m.count(TileKind::Full), m.count(TileKind::Partial), m.count(TileKind::Empty),
+             m.sparsity());
+  if (st.analytic)
+    fmt::print("analysis    {} tiles decided ({:.2f}%) in {} interval evaluations, {:.3f} ms\n",
+               st.decided_tiles, 100.0 * double(st.decided_tiles) / double(st.tiles), st.boxes,
+               st.analysis_ms);
+  else
+    fmt::print("analysis    off (brute force)\n");
+  fmt::print("evaluated   {} tiles element by element, on the {}\n", st.evaluated_tiles,
+             st.device == "gpu" ? "GPU" : "CPU");
+  fmt::print("build time  {}\n", timing);
+}
+
+const Register reg("blockmask", [](CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "blockmask",
+      "Build a variant's BlockMask and print its picture, sparsity, tile counts, how many tiles "
+      "the interval analysis decided, and the build time.");
+  cmd->add_option("config", o->config, "JSON variant config, or @name from the catalogue")
+      ->required();
+  cmd->add_option("--q-len", o->q_len, "query length")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-len", o->kv_len, "key/value length (default: --q-len)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", o->batch, "batch size B")->check(CLI::PositiveNumber);
+  cmd->add_option("--heads", o->heads, "query heads H")->check(CLI::PositiveNumber);
+  cmd->add_option("--param", o->params, "runtime param value, NAME=VALUE (repeatable)");
+  cmd->add_option("--capture", o->captures,
+                  "document ids for an int32 capture: NAME=doc:S1,S2,... (documents start at "
+                  "tokens 0, S1, S2, ...) or NAME=docs:N (N equal documents) (repeatable)");
+  cmd->add_option("--tile", o->tile, "tile size for q and kv (default 128)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--q-tile", o->q_tile, "q tile size (overrides --tile)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-tile", o->kv_tile, "kv tile size (overrides --tile)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--device", o->device, "where to build: auto (GPU if present), cpu, gpu")
+      ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
+  cmd->add_flag("--brute-force", o->brute_force,
+                "evaluate every element of every tile (no interval analysis)");
+  cmd->add_option("--rows", o->rows, "picture rows at most (default 32)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--cols", o->cols, "picture columns at most (default 32)")
+      ->check(CLI::PositiveNumber);
+  cmd->callback([o] { run(*o); });
+});
+
+}  // namespace
+}  // namespace flexc::cli
