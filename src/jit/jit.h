@@ -1,8 +1,13 @@
 // The one path from (variant, kernel template, compile-time config) to a launchable kernel:
-// splice -> cache lookup (memory, then disk) -> NVRTC on a miss -> Driver API module load.
+// emit flexc_variant.cuh -> splice -> cache lookup (memory, then disk) -> NVRTC on a miss ->
+// Driver API module load. Settings come from the environment (docs/jit.md): FLEXC_CACHE_DIR,
+// FLEXC_DISABLE_DISK_CACHE, FLEXC_CACHE_MAX_BYTES, FLEXC_TEMPLATE_DIR, CUDA_HOME, FLEXC_LINEINFO.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,12 +19,12 @@ struct CUstream_st;
 
 namespace flexc::jit {
 
-// Which template and how it is configured. Everything here is part of the cache key.
+// Which template and how it is configured. Everything here but `entry` is part of the cache key.
 struct KernelSpec {
   std::string template_name;  // file in templates/, e.g. "attention_fwd.cuh"
   std::string entry;          // the extern "C" __global__ function it defines
   std::vector<std::pair<std::string, std::string>> defines;  // -DNAME=VALUE, in this order
-  std::string arch;           // "sm_90"; empty: the current device's
+  std::string arch;  // "sm_90", "sm_90a", "compute_90"; empty: the current device's
 };
 
 struct CompileOptions {
@@ -28,40 +33,63 @@ struct CompileOptions {
 
 // What NVRTC produced (or the cache held), with the spliced source for inspection.
 struct Compiled {
-  std::string key;      // hex SHA-256 cache key
-  std::string source;   // the spliced translation unit (variant header + template)
-  std::string cubin;
-  std::string ptx;      // only when asked for (flexc compile --emit ptx)
-  bool from_cache = false;
-  double compile_seconds = 0;
+  std::string key;     // hex SHA-256 cache key
+  std::string source;  // the spliced translation unit as one self-contained .cu
+  std::string cubin;   // empty for a compute_XX arch
+  std::string ptx;
+  bool from_cache = false;  // found in memory or on disk
+  bool from_disk = false;
+  double compile_seconds = 0;  // NVRTC's time; 0 for a hit
 };
 
 // Compiles without a GPU (needs an explicit arch). Throws flexc::Error with diagnostics mapped
 // back to the user's expression or to the template file and line.
-Compiled compile(const Variant& v, const KernelSpec& spec, const CompileOptions& opts = {},
-                 bool want_ptx = false);
+Compiled compile(const Variant& v, const KernelSpec& spec, const CompileOptions& opts = {});
 
-// A loaded kernel in the primary context of the current device.
+// Several kernels of one variant (fwd + bwd + decode), compiled in parallel on flexc's compile
+// threads; results in the order of `specs`. The same key is never compiled twice at once.
+std::vector<Compiled> compile_all(const Variant& v, std::span<const KernelSpec> specs,
+                                  const CompileOptions& opts = {});
+
+// A loaded kernel in the context that was current when it was loaded.
 class Kernel {
  public:
+  Kernel(CUfunc_st* fn, std::string what) : fn_(fn), what_(std::move(what)) {}
+
   // Launches on `stream` (the caller's; nullptr = legacy default). `args` point at each kernel
   // argument, as cuLaunchKernel takes them. Raises the dynamic shared memory limit on first use
   // when `smem_bytes` needs it. Errors name the variant and the kernel.
   void launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block, size_t smem_bytes,
               CUstream_st* stream, void** args) const;
   CUfunc_st* function() const { return fn_; }
-  const std::string& what() const { return what_; }  // "flexc attention_fwd kernel for 'alibi' (sm_90)"
+  // "flexc attention_fwd kernel for variant 'alibi' (sm_90)"
+  const std::string& what() const { return what_; }
 
-  CUfunc_st* fn_ = nullptr;
+ private:
+  CUfunc_st* fn_;
   std::string what_;
-  mutable size_t smem_limit_ = 48 * 1024;
+  mutable std::atomic<size_t> smem_limit_{48 * 1024};
+  mutable std::mutex smem_mu_;
 };
 
-// Compiles (or finds in the cache) and loads for the current device. Thread-safe; the returned
-// reference lives as long as the process.
+// Compiles (or finds in the cache) and loads for the current context's device. Thread-safe; the
+// returned reference lives as long as the process. A repeated call costs a hash-map lookup.
 const Kernel& get_kernel(const Variant& v, const KernelSpec& spec);
+// Several at once: compiled in parallel, then loaded.
+std::vector<const Kernel*> get_kernels(const Variant& v, std::span<const KernelSpec> specs);
 
 // True when a CUDA driver and at least one device are present (libcuda is dlopen'ed).
 bool gpu_available();
+
+// This process's cache activity. A wait for another thread's compile of the same key counts as
+// a memory hit.
+struct CacheCounters {
+  uint64_t memory_hits = 0, disk_hits = 0, compiles = 0;
+};
+CacheCounters cache_counters();
+
+// Re-reads the cache settings from the environment and empties the in-memory cache (tests,
+// tools). Kernels already loaded stay valid.
+void reset_cache();
 
 }  // namespace flexc::jit

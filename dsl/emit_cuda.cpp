@@ -1,0 +1,334 @@
+#include "dsl/emit_cuda.h"
+
+#include <fmt/format.h>
+
+#include <cctype>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "dsl/analysis.h"
+
+namespace flexc::dsl {
+
+namespace {
+
+// Mirrors FLEXC_MAX_CAPTURES / FLEXC_MAX_PARAMS in templates/flexc_hooks.cuh.
+constexpr size_t kMaxCaptures = 8, kMaxParams = 16;
+
+const char* c_type(Type t) {
+  switch (t) {
+    case Type::Bool:
+      return "bool";
+    case Type::Int:
+      return "int";
+    case Type::Float:
+      return "float";
+  }
+  return "?";
+}
+
+// An exact float32 literal: `%.9g` round-trips every float; inf and NaN by their bits.
+std::string float_literal(double v) {
+  const float f = static_cast<float>(v);
+  if (std::isnan(f)) return "__int_as_float(0x7fffffff)";
+  if (std::isinf(f)) return f > 0 ? "__int_as_float(0x7f800000)" : "__int_as_float(0xff800000)";
+  std::string s = fmt::format("{:.9g}", f);
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  s += "f";
+  return s[0] == '-' ? "(" + s + ")" : s;
+}
+
+std::string int_literal(int64_t v) {
+  const auto i = static_cast<int32_t>(v);  // the IR's ints are int32
+  if (i == INT32_MIN) return "(-2147483647 - 1)";
+  return i < 0 ? fmt::format("({})", i) : fmt::format("{}", i);
+}
+
+const char* load_helper(DType d) {
+  switch (d) {
+    case DType::I32:
+      return "flexc_load_i32";
+    case DType::F32:
+      return "flexc_load_f32";
+    case DType::BF16:
+      return "flexc_load_bf16";
+    case DType::F16:
+      return "flexc_load_f16";
+    case DType::Bool:
+      return "flexc_load_bool";
+  }
+  return "?";
+}
+
+// Writes the body of one hook: an SSA statement per needed node, in id order (so every operand is
+// defined before its use). Inputs and constants are used in place.
+class BodyWriter {
+ public:
+  BodyWriter(const Graph& g, const Decls& decls, std::string_view marker)
+      : g_(g), decls_(decls), marker_(marker), value_(g.size(), 0), offset_(g.size(), 0) {}
+
+  // Asks for `id`'s value; write() adds whatever it reads.
+  void need_value(NodeId id) { value_[id] = 1; }
+  // Asks for the element offset of Load `id` (its indices, not its value).
+  void need_offset(NodeId id) { offset_[id] = 1; }
+
+  std::string write() {
+    for (NodeId id = static_cast<NodeId>(g_.size()); id-- > 0;) {
+      if (!value_[id] && !offset_[id]) continue;
+      const Node& n = g_[id];
+      if (n.op == Op::Load) offset_[id] = 1;
+      for (NodeId a : n.operands()) value_[a] = 1;
+    }
+    std::string out;
+    for (NodeId id = 0; id < g_.size(); ++id) {
+      const Node& n = g_[id];
+      if (n.op == Op::Const || n.op == Op::Input) continue;
+      if (offset_[id]) statement(out, n, "long long", fmt::format("o{}", id), offset_expr(n));
+      if (value_[id]) statement(out, n, c_type(n.type), ref(id), expr(n, id));
+    }
+    return out;
+  }
+
+  std::string ref(NodeId id) const {
+    const Node& n = g_[id];
+    if (n.op == Op::Const) {
+      if (n.type == Type::Bool) return n.ival ? "true" : "false";
+      return n.type == Type::Int ? int_literal(n.ival) : float_literal(n.fval);
+    }
+    if (n.op == Op::Input) return std::string(input_name(n.input));
+    return fmt::format("t{}", id);
+  }
+
+ private:
+  void statement(std::string& out, const Node& n, std::string_view type, std::string_view name,
+                 std::string_view init) const {
+    out += fmt::format("    const {} {} = {};", type, name, init);
+    if (!n.src.empty()) out += fmt::format("  // @{}:{}:{}", marker_, n.src.begin, n.src.end);
+    out += '\n';
+  }
+
+  std::string offset_expr(const Node& n) const {
+    if (n.slot >= decls_.captures.size())
+      throw std::invalid_argument(
+          fmt::format("emit_cuda: capture slot {} is not declared", n.slot));
+    std::string s = fmt::format("flexc_at(a.captures[{}]", n.slot);
+    for (NodeId a : n.operands()) s += ", " + ref(a);
+    return s + ")";
+  }
+
+  std::string expr(const Node& n, NodeId id) const {
+    const auto arg = [&](int i) { return ref(n.args[i]); };
+    const auto call = [&](std::string_view f) {
+      std::string s = std::string(f) + "(";
+      for (int i = 0; i < n.nargs; ++i) s += (i ? ", " : "") + arg(i);
+      return s + ")";
+    };
+    const auto infix = [&](std::string_view op) {
+      return fmt::format("{} {} {}", arg(0), op, arg(1));
+    };
+    // Int ops and Float ops differ in name only; `operand` is the type the args were promoted to.
+    const Type operand = n.nargs ? g_[n.args[n.op == Op::Select ? 1 : 0]].type : n.type;
+    const bool f = operand == Type::Float;
+    switch (n.op) {
+      case Op::Const:
+      case Op::Input:
+        return ref(id);
+      case Op::Param:
+        if (n.slot >= decls_.params.size() || n.slot >= kMaxParams)
+          throw std::invalid_argument(
+              fmt::format("emit_cuda: runtime param slot {} is not declared or not below {}",
+                          n.slot, kMaxParams));
+        return fmt::format("a.{}param[{}]", n.type == Type::Float ? 'f' : 'i', n.slot);
+      case Op::Load:
+        return fmt::format("{}(a.captures[{}], o{})", load_helper(decls_.captures[n.slot].dtype),
+                           n.slot, id);
+      case Op::Neg:
+        return f ? "-" + arg(0) : call("flexc_neg");
+      case Op::Not:
+        return "!" + arg(0);
+      case Op::BitNot:
+        return "~" + arg(0);
+      case Op::Add:
+        return call(f ? "__fadd_rn" : "flexc_add");
+      case Op::Sub:
+        return call(f ? "__fsub_rn" : "flexc_sub");
+      case Op::Mul:
+        return call(f ? "__fmul_rn" : "flexc_mul");
+      case Op::Div:
+        return call("__fdiv_rn");
+      case Op::FloorDiv:
+        return call(f ? "flexc_floordivf" : "flexc_floordiv");
+      case Op::Mod:
+        return call(f ? "flexc_modf" : "flexc_mod");
+      case Op::Shl:
+        return call("flexc_shl");
+      case Op::Shr:
+        return call("flexc_shr");
+      case Op::Lt:
+        return infix("<");
+      case Op::Le:
+        return infix("<=");
+      case Op::Gt:
+        return infix(">");
+      case Op::Ge:
+        return infix(">=");
+      case Op::Eq:
+        return infix("==");
+      case Op::Ne:
+        return infix("!=");
+      case Op::BitAnd:
+        return infix("&");
+      case Op::BitXor:
+        return infix("^");
+      case Op::BitOr:
+        return infix("|");
+      case Op::And:
+        return infix("&&");
+      case Op::Or:
+        return infix("||");
+      case Op::Select:
+        return fmt::format("{} ? {} : {}", arg(0), arg(1), arg(2));
+      case Op::Min:
+        return call(f ? "flexc_minf" : "flexc_min");
+      case Op::Max:
+        return call(f ? "flexc_maxf" : "flexc_max");
+      case Op::Abs:
+        return call(f ? "fabsf" : "flexc_abs");
+      case Op::Clamp:
+        return call(f ? "flexc_clampf" : "flexc_clamp");
+      case Op::Exp:
+        return call("expf");
+      case Op::Exp2:
+        return call("exp2f");
+      case Op::Log:
+        return call("logf");
+      case Op::Log2:
+        return call("log2f");
+      case Op::Sqrt:
+        return call("sqrtf");
+      case Op::Rsqrt:
+        return call("flexc_rsqrtf");
+      case Op::Tanh:
+        return call("tanhf");
+      case Op::Sigmoid:
+        return call("flexc_sigmoidf");
+      case Op::Sin:
+        return call("sinf");
+      case Op::Cos:
+        return call("cosf");
+      case Op::Pow:
+        return call("powf");
+      case Op::Floor:
+        return f ? call("floorf") : arg(0);
+      case Op::Ceil:
+        return f ? call("ceilf") : arg(0);
+      case Op::Sign:
+        return call(f ? "flexc_signf" : "flexc_sign");
+      case Op::ToFloat:
+        return operand == Type::Bool ? arg(0) + " ? 1.0f : 0.0f" : call("__int2float_rn");
+      case Op::ToInt:
+        return f ? call("__float2int_rz") : operand == Type::Bool ? "(int)" + arg(0) : arg(0);
+    }
+    throw std::invalid_argument(fmt::format("emit_cuda: unknown op {}", static_cast<int>(n.op)));
+  }
+
+  const Graph& g_;
+  const Decls& decls_;
+  std::string_view marker_;
+  std::vector<char> value_, offset_;
+};
+
+constexpr const char* kScoreParams =
+    "const FlexcArgs& a, float score, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len";
+constexpr const char* kMaskParams =
+    "const FlexcArgs& a, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len";
+constexpr const char* kGradParams =
+    "const FlexcArgs& a, float grad_score, float score, int b, int h, int q_idx, int kv_idx, "
+    "int q_len, int kv_len";
+
+std::string hook(const char* ret, const char* name, const char* params, const std::string& body) {
+  return fmt::format("  __device__ static __forceinline__ {} {}({}) {{\n{}  }}\n", ret, name,
+                     params, body);
+}
+
+// A function returning the value of `g.root`.
+std::string value_hook(const Graph& g, const Decls& decls, std::string_view marker, const char* ret,
+                       const char* name, const char* params) {
+  BodyWriter w(g, decls, marker);
+  w.need_value(g.root);
+  std::string body = w.write();
+  body += fmt::format("    return {};\n", w.ref(g.root));
+  return hook(ret, name, params, body);
+}
+
+// The variant name may hold anything: keep it to characters that cannot end the comment.
+std::string sanitise(std::string_view name) {
+  std::string s;
+  for (char c : name)
+    s += (std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.' ||
+          c == ' ')
+             ? c
+             : '?';
+  return s;
+}
+
+}  // namespace
+
+std::string emit_cuda_variant(const EmitInput& in) {
+  if (!in.score || !in.mask || !in.decls)
+    throw std::invalid_argument("emit_cuda: score, mask and decls are required");
+  const Decls& decls = *in.decls;
+  if (decls.captures.size() > kMaxCaptures)
+    throw std::invalid_argument(fmt::format("a variant may capture at most {} tensors, not {}",
+                                            kMaxCaptures, decls.captures.size()));
+
+  const Graph score = simplify(*in.score);
+  const Graph mask = simplify(*in.mask);
+
+  // d score_mod / d score, and d score_mod / d loaded value for every differentiable load (its
+  // Load node says where the gradient goes); each simplified, next to the nodes it reads.
+  Graph dscore = score;
+  dscore.root = simplify_into(dscore, derivative_wrt_score(dscore, dscore.root));
+  const Node& droot = dscore[dscore.root];
+  const bool grad_is_one = droot.op == Op::Const && droot.type == Type::Float && droot.fval == 1.0;
+  Graph cg = score;
+  std::vector<LoadDerivative> loads = derivatives_wrt_loads(cg, cg.root);
+  for (LoadDerivative& ld : loads) ld.derivative = simplify_into(cg, ld.derivative);
+
+  const Deps mdeps = dependencies(mask, mask.root);
+  std::string out = fmt::format(
+      "// Generated by flexc from variant '{}'. Do not edit: flexc regenerates it.\n"
+      "#pragma once\n"
+      "#include \"flexc_hooks.cuh\"\n\n"
+      "struct FlexcVariant {{\n"
+      "  static constexpr bool kIdentityScore = {};\n"
+      "  static constexpr bool kMaskAlwaysTrue = {};\n"
+      "  static constexpr bool kMaskReadsB = {};\n"
+      "  static constexpr bool kMaskReadsH = {};\n"
+      "  static constexpr bool kScoreGradIsOne = {};\n"
+      "  static constexpr bool kHasCaptureGrads = {};\n\n",
+      sanitise(in.variant_name), is_identity_score(score, score.root),
+      is_all_true_mask(mask, mask.root), mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one,
+      !loads.empty());
+
+  out += value_hook(score, decls, "score_mod", "float", "score_mod", kScoreParams);
+  out += value_hook(mask, decls, "mask_mod", "bool", "mask_mod", kMaskParams);
+  out += value_hook(dscore, decls, "score_mod", "float", "score_mod_grad", kScoreParams);
+
+  BodyWriter w(cg, decls, "score_mod");
+  for (const LoadDerivative& ld : loads) {
+    w.need_offset(ld.load);
+    w.need_value(ld.derivative);
+  }
+  std::string body = w.write();
+  for (const LoadDerivative& ld : loads)
+    body += fmt::format("    flexc_grad_add(a.captures[{}], o{}, __fmul_rn(grad_score, {}));\n",
+                        cg[ld.load].slot, ld.load, w.ref(ld.derivative));
+  out += hook("void", "accumulate_capture_grads", kGradParams, body);
+  out += "};\n";
+  return out;
+}
+
+}  // namespace flexc::dsl

@@ -1,0 +1,88 @@
+// Small RAII helpers over the CUDA Driver API for flexc's kernels, tests and benchmarks. No CUDA
+// header is needed to use them; everything runs in the current (or primary) context.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+struct CUstream_st;
+struct CUevent_st;
+
+namespace flexc::jit {
+
+using DevicePtr = unsigned long long;  // CUdeviceptr
+
+// Device memory, freed on destruction. Copies are synchronous unless a stream is given.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes);
+  ~DeviceBuffer();
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  // A buffer holding a copy of `host`.
+  template <class T>
+  static DeviceBuffer from(std::span<const T> host) {
+    DeviceBuffer b(host.size_bytes());
+    b.upload(host.data(), host.size_bytes());
+    return b;
+  }
+  // The first `n` elements, copied back.
+  template <class T>
+  std::vector<T> to_vector(size_t n) const {
+    std::vector<T> v(n);
+    download(v.data(), n * sizeof(T));
+    return v;
+  }
+
+  void upload(const void* src, size_t bytes, size_t offset = 0, CUstream_st* stream = nullptr);
+  void download(void* dst, size_t bytes, size_t offset = 0, CUstream_st* stream = nullptr) const;
+  void fill(uint8_t byte, CUstream_st* stream = nullptr);
+
+  DevicePtr ptr() const { return ptr_; }
+  void* get() const { return reinterpret_cast<void*>(ptr_); }
+  size_t size() const { return size_; }
+
+ private:
+  DevicePtr ptr_ = 0;
+  size_t size_ = 0;
+};
+
+// A stream of the current context, destroyed with the object.
+class Stream {
+ public:
+  Stream();
+  ~Stream();
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  CUstream_st* get() const { return s_; }
+  void synchronize() const;
+
+ private:
+  CUstream_st* s_ = nullptr;
+};
+
+// GPU time between start() and stop() on a stream, from two events.
+class EventTimer {
+ public:
+  EventTimer();
+  ~EventTimer();
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+  void start(CUstream_st* stream = nullptr);
+  void stop(CUstream_st* stream = nullptr);
+  double elapsed_ms() const;  // waits for the stop event
+
+ private:
+  CUevent_st *start_ = nullptr, *stop_ = nullptr;
+};
+
+// Waits for all work of the current context.
+void synchronize_device();
+
+}  // namespace flexc::jit

@@ -1,0 +1,35 @@
+#include "kernels.h"
+
+#include <fmt/format.h>
+
+#include "attention_kernel.h"
+#include "flexc/error.h"
+
+namespace flexc::jit {
+
+KernelSpec mods_eval_spec(const KernelConfig& cfg) {
+  return {"mods_eval.cuh", "flexc_mods_eval", {}, cfg.arch};
+}
+
+namespace {
+
+constexpr KnownKernel kKernels[] = {
+    {"attention_fwd", "forward attention (FlashAttention-2 structure, sm_80+)",
+     &attention_fwd_spec},
+    {"mods_eval", "the variant's mods over a grid of indices (tests)", &mods_eval_spec},
+};
+
+}  // namespace
+
+std::span<const KnownKernel> known_kernels() { return kKernels; }
+
+const KnownKernel& find_kernel(std::string_view name) {
+  std::string names;
+  for (const KnownKernel& k : kKernels) {
+    if (k.name == name) return k;
+    names += fmt::format("{}{}", names.empty() ? "" : ", ", k.name);
+  }
+  throw Error(fmt::format("unknown kernel '{}' (kernels: {})", name, names));
+}
+
+}  // namespace flexc::jit

@@ -1,0 +1,39 @@
+// The kernel templates flexc can build, each with the function that turns a compile-time config
+// into its KernelSpec. `flexc compile --kernel` and the catalogue tests iterate this table; a new
+// kernel joins it with one line in kernels.cpp.
+#pragma once
+
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "jit.h"
+
+namespace flexc::jit {
+
+struct KernelConfig {
+  std::string arch;            // empty: the current device's
+  std::string dtype = "bf16";  // "bf16" or "fp16": the attention kernels' input type
+  int head_dim = 128;
+};
+
+struct KnownKernel {
+  std::string_view name;  // "mods_eval", "attention_fwd", ...
+  std::string_view description;
+  KernelSpec (*spec)(const KernelConfig&);
+};
+
+std::span<const KnownKernel> known_kernels();
+// Throws flexc::Error naming the known kernels.
+const KnownKernel& find_kernel(std::string_view name);
+
+// templates/mods_eval.cuh: evaluates the variant's hooks over a grid of indices (tests).
+//   flexc_mods_eval(FlexcArgs a, int B, int H, int q0, int nq, int kv0, int nkv, int q_len,
+//                   int kv_len, const float* score_in, float* score_out, float* grad_out,
+//                   unsigned char* mask_out, float grad_score)
+// Point i = ((b * H + h) * nq + (q - q0)) * nkv + (kv - kv0) reads score_in[i] and writes
+// score_mod, score_mod_grad and mask_mod there; accumulate_capture_grads adds grad_score * d/dx
+// into each float capture's `grad` (when non-null).
+KernelSpec mods_eval_spec(const KernelConfig& cfg);
+
+}  // namespace flexc::jit

@@ -1,0 +1,30 @@
+// Evaluates a variant's hooks over a grid of points, one thread each, so that tests can compare
+// the generated code with the CPU interpreter. The points are every (b, h, q, kv) in
+// [0, B) x [0, H) x [q0, q0 + nq) x [kv0, kv0 + nkv); point i = ((b * H + h) * nq + (q - q0)) *
+// nkv + (kv - kv0) reads score_in[i] and writes score_mod, score_mod_grad and mask_mod at i.
+// accumulate_capture_grads adds grad_score * d score_mod / d capture into the captures' `grad`.
+#include "flexc_hooks.cuh"
+#include "flexc_variant.cuh"
+
+extern "C" __global__ void flexc_mods_eval(FlexcArgs a, int B, int H, int q0, int nq, int kv0,
+                                           int nkv, int q_len, int kv_len, const float* score_in,
+                                           float* score_out, float* grad_out,
+                                           unsigned char* mask_out, float grad_score) {
+  const long long n = static_cast<long long>(B) * H * nq * nkv;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    long long r = i;
+    const int kv = kv0 + static_cast<int>(r % nkv);
+    r /= nkv;
+    const int q = q0 + static_cast<int>(r % nq);
+    r /= nq;
+    const int h = static_cast<int>(r % H);
+    const int b = static_cast<int>(r / H);
+    const float s = score_in[i];
+    score_out[i] = FlexcVariant::score_mod(a, s, b, h, q, kv, q_len, kv_len);
+    grad_out[i] = FlexcVariant::score_mod_grad(a, s, b, h, q, kv, q_len, kv_len);
+    mask_out[i] = FlexcVariant::mask_mod(a, b, h, q, kv, q_len, kv_len) ? 1 : 0;
+    FlexcVariant::accumulate_capture_grads(a, grad_score, s, b, h, q, kv, q_len, kv_len);
+  }
+}

@@ -1,0 +1,445 @@
+// The CUDA emitter (dsl/emit_cuda.cpp): the text it writes, and what that text computes. Without
+// a GPU the generated hooks are compiled as host C++ (a few CUDA intrinsics stubbed to their
+// IEEE meaning) and must agree with the interpreter's float32 mode bit for bit.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <bit>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+#include "dsl/analysis.h"
+#include "dsl/emit_cuda.h"
+#include "dsl/frontend.h"
+#include "random_expr.h"
+
+using namespace flexc::dsl;
+using flexc::dsl::testing::RandomExpr;
+using flexc::dsl::testing::RandomExprOptions;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r = [] {
+    const uint64_t seed = std::random_device{}();
+    WARN("test_emit random seed: " << seed);
+    return std::mt19937_64(seed);
+  }();
+  return r;
+}
+
+struct Parsed {
+  Decls decls;
+  Mod score, mask;
+};
+
+Parsed parse(std::string_view score, std::string_view mask, Decls decls = {}) {
+  Parsed p{std::move(decls), {}, {}};
+  p.score = parse_mod(ModKind::Score, score, p.decls, "score_mod");
+  p.mask = parse_mod(ModKind::Mask, mask, p.decls, "mask_mod");
+  return p;
+}
+
+std::string emit(const Parsed& p, std::string name = "t") {
+  return emit_cuda_variant({&p.score.graph, &p.mask.graph, &p.decls, std::move(name)});
+}
+
+bool has(const std::string& text, std::string_view what) {
+  return text.find(what) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("emitted facts follow the mods", "[emit]") {
+  Decls d;
+  d.captures.push_back({"bias", DType::F32, {{Dim::H}, {Dim::Fixed, 64}}});
+  d.captures.push_back({"doc", DType::I32, {{Dim::QLen}}});
+  const std::string plain = emit(parse("score", "true", d));
+  CHECK(has(plain, "kIdentityScore = true;"));
+  CHECK(has(plain, "kMaskAlwaysTrue = true;"));
+  CHECK(has(plain, "kMaskReadsB = false;"));
+  CHECK(has(plain, "kMaskReadsH = false;"));
+  CHECK(has(plain, "kScoreGradIsOne = true;"));
+  CHECK(has(plain, "kHasCaptureGrads = false;"));
+
+  const std::string rich =
+      emit(parse("score * 2.0 + bias[h, q_idx - kv_idx]", "doc[q_idx] == doc[kv_idx] && h < 4", d));
+  CHECK(has(rich, "kIdentityScore = false;"));
+  CHECK(has(rich, "kMaskAlwaysTrue = false;"));
+  CHECK(has(rich, "kMaskReadsB = false;"));
+  CHECK(has(rich, "kMaskReadsH = true;"));
+  CHECK(has(rich, "kScoreGradIsOne = false;"));
+  CHECK(has(rich, "kHasCaptureGrads = true;"));
+  CHECK(has(rich, "flexc_grad_add(a.captures[0], "));
+
+  // Reading a capture only through a comparison gives it no gradient.
+  const std::string cmp = emit(parse("score + (bias[h, 0] > 0.0 ? 1.0 : 0.0)", "b == 0", d));
+  CHECK(has(cmp, "kHasCaptureGrads = false;"));
+  CHECK(has(cmp, "kMaskReadsB = true;"));
+}
+
+TEST_CASE("emitted text is deterministic and names no user identifier", "[emit]") {
+  Decls d;
+  d.captures.push_back({"my_secret_table", DType::BF16, {{Dim::Fixed, 8}}});
+  d.params.push_back({"my_secret_scale", Type::Float, 0.5, false});
+  const Parsed p = parse("let zz_local = score * my_secret_scale; zz_local + my_secret_table[h]",
+                         "q_idx >= kv_idx", d);
+  const std::string a = emit(p, "v*/ evil"), b = emit(p, "v*/ evil");
+  CHECK(a == b);
+  CHECK_FALSE(has(a, "my_secret"));
+  CHECK_FALSE(has(a, "zz_local"));
+  CHECK_FALSE(has(a, "*/ evil"));  // the name cannot close the comment it is written into
+  CHECK(has(a, "a.fparam[0]"));
+  CHECK(has(a, "flexc_load_bf16(a.captures[0], "));
+}
+
+TEST_CASE("user statements carry markers that point at their expression", "[emit]") {
+  const std::string score = "let d = q_idx - kv_idx;\nscore + float(d // 3)";
+  const Parsed p = parse(score, "kv_idx <= q_idx");
+  const std::string text = emit(p);
+  int markers = 0;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find("// @");
+    if (at == std::string::npos) continue;
+    ++markers;
+    unsigned b = 0, e = 0;
+    char kind[16] = {};
+    REQUIRE(std::sscanf(line.c_str() + at, "// @%15[a-z_]:%u:%u", kind, &b, &e) == 3);
+    const std::string& src = std::string_view(kind) == "score_mod" ? score : p.mask.source;
+    REQUIRE(b < e);
+    REQUIRE(e <= src.size());
+    // Each marked statement computes an operator of the text it points at.
+    if (has(line, "flexc_floordiv(")) CHECK(src.substr(b, e - b) == "d // 3");
+    if (has(line, "flexc_sub(")) CHECK(src.substr(b, e - b) == "q_idx - kv_idx");
+    if (has(line, " <= ")) CHECK(src.substr(b, e - b) == "kv_idx <= q_idx");
+  }
+  CHECK(markers >= 4);
+}
+
+TEST_CASE("literals are exact float32 and int32", "[emit]") {
+  Decls d;
+  d.params.push_back({"n", Type::Int, 0, false});
+  const std::string t =
+      emit(parse("score * 0.1 + float(n * -2147483648) + 30.0 - inf", "n != -7", d));
+  CHECK(has(t, "0.100000001f"));       // float32(0.1), enough digits to round-trip
+  CHECK(has(t, "(-2147483647 - 1)"));  // INT_MIN without an out-of-range literal
+  CHECK(has(t, "30.0f"));
+  CHECK(has(t, "__int_as_float(0x7f800000)"));
+  CHECK(has(t, "(-7)"));
+}
+
+TEST_CASE("the emitter rejects more captures than the hooks carry", "[emit]") {
+  Decls d;
+  for (int i = 0; i < 9; ++i) d.captures.push_back({fmt::format("c{}", i), DType::F32, {{Dim::H}}});
+  Graph g;
+  g.root = g.input(Input::Score);
+  Graph m;
+  m.root = m.constant_bool(true);
+  CHECK_THROWS_WITH(emit_cuda_variant({&g, &m, &d, "x"}), Catch::Contains("at most 8 tensors"));
+}
+
+// ---- generated code vs the interpreter, on the host
+
+namespace {
+
+// Host stand-ins for the CUDA intrinsics the hooks use; each is the exact IEEE operation. The
+// program is built with -fno-builtin so that math functions of constants run in the C library,
+// as the interpreter's do (GCC would fold them, correctly rounded, at compile time).
+constexpr const char* kShim = R"(#include <bit>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <math.h>
+#define __CUDACC__ 1
+#define __device__
+#define __forceinline__ inline
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __float2int_rz(float x) {
+  if (std::isnan(x)) return 0;
+  if (x >= 2147483648.0f) return INT_MAX;
+  if (x <= -2147483648.0f) return INT_MIN;
+  return (int)x;
+}
+inline float __int2float_rn(int i) { return (float)i; }
+inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
+inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
+inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+template <class T> T __ldg(const T* p) { return *p; }
+inline void atomicAdd(float* p, float v) { *p += v; }
+)";
+
+// A declaration set covering every dtype but fp16 (its load is inline PTX: GPU test only), ranks
+// 1 to 4 and symbolic dims; the buffers get padded (non-contiguous) strides.
+Decls random_decls() {
+  Decls d;
+  d.captures.push_back({"f", DType::F32, {{Dim::Fixed, 5}}});
+  d.captures.push_back({"i", DType::I32, {{Dim::Fixed, 3}, {Dim::H}}});
+  d.captures.push_back({"bf", DType::BF16, {{Dim::QLen}}});
+  d.captures.push_back({"m", DType::Bool, {{Dim::Fixed, 2}, {Dim::Fixed, 3}, {Dim::B}}});
+  d.captures.push_back({"g", DType::F32, {{Dim::B}, {Dim::H}, {Dim::Fixed, 2}, {Dim::Fixed, 3}}});
+  d.params.push_back({"pf", Type::Float, 0, false});
+  d.params.push_back({"pi", Type::Int, 0, false});
+  return d;
+}
+
+constexpr int kB = 2, kH = 3, kQLen = 7;
+
+int64_t extent(const Dim& dim) {
+  switch (dim.kind) {
+    case Dim::B:
+      return kB;
+    case Dim::H:
+      return kH;
+    case Dim::QLen:
+      return kQLen;
+    case Dim::KvLen:
+      return 11;
+    case Dim::Fixed:
+      break;
+  }
+  return dim.extent;
+}
+
+size_t elem_bytes(DType t) {
+  return t == DType::Bool ? 1 : t == DType::BF16 || t == DType::F16 ? 2 : 4;
+}
+
+// One capture's data: random elements in a buffer with one padding element per row.
+struct Buffer {
+  DType dtype;
+  std::vector<int64_t> shape, strides;
+  std::vector<uint8_t> bytes;
+  std::vector<float> grad;
+};
+
+Buffer random_buffer(const CaptureDecl& c) {
+  Buffer b{c.dtype, {}, {}, {}, {}};
+  for (const Dim& d : c.dims) b.shape.push_back(extent(d));
+  b.strides.resize(b.shape.size());
+  int64_t stride = 1;
+  for (size_t k = b.shape.size(); k-- > 0;) {
+    b.strides[k] = stride;
+    stride *= b.shape[k] + (k + 1 == b.shape.size() ? 1 : 0);
+  }
+  b.bytes.resize(static_cast<size_t>(stride) * elem_bytes(c.dtype));
+  b.grad.assign(static_cast<size_t>(stride), 0.0f);
+  for (size_t e = 0; e * elem_bytes(c.dtype) < b.bytes.size(); ++e) {
+    uint8_t* at = b.bytes.data() + e * elem_bytes(c.dtype);
+    const float f = std::uniform_real_distribution<float>(-4, 4)(rng());
+    const int32_t i = static_cast<int32_t>(std::uniform_int_distribution<int>(-9, 9)(rng()));
+    const uint16_t bf = static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16);
+    switch (c.dtype) {
+      case DType::F32:
+        std::memcpy(at, &f, 4);
+        break;
+      case DType::I32:
+        std::memcpy(at, &i, 4);
+        break;
+      case DType::BF16:
+      case DType::F16:
+        std::memcpy(at, &bf, 2);
+        break;
+      case DType::Bool:
+        *at = static_cast<uint8_t>(i & 1);
+        break;
+    }
+  }
+  return b;
+}
+
+std::string c_bytes(const std::vector<uint8_t>& v) {
+  std::string s;
+  for (uint8_t x : v) s += fmt::format("{},", x);
+  return s;
+}
+
+std::string hex_bits(float f) { return fmt::format("{:08x}", std::bit_cast<uint32_t>(f)); }
+
+struct Point {
+  int b, h, q, kv, q_len, kv_len;
+  float score;
+};
+
+// An int from a range users hit, or an extreme that exercises wrap-around.
+int random_index() {
+  if (std::uniform_int_distribution<int>(0, 9)(rng()) == 0) {
+    static constexpr int extremes[] = {INT32_MIN, INT32_MAX, -1, 1 << 30};
+    return extremes[std::uniform_int_distribution<int>(0, 3)(rng())];
+  }
+  return std::uniform_int_distribution<int>(-20, 40)(rng());
+}
+
+}  // namespace
+
+TEST_CASE("generated hooks compute what the interpreter computes (host build)", "[emit]") {
+  const Decls decls = random_decls();
+  constexpr int kVariants = 30, kPoints = 64;
+  std::vector<Buffer> bufs;
+  for (const CaptureDecl& c : decls.captures) bufs.push_back(random_buffer(c));
+  const float pf = std::uniform_real_distribution<float>(-3, 3)(rng());
+  const int pi = std::uniform_int_distribution<int>(-5, 5)(rng());
+
+  std::vector<Point> points;
+  for (int i = 0; i < kPoints; ++i) {
+    const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e30f};
+    const float s =
+        i % 8 == 0 ? special[i / 8 % 6] : std::uniform_real_distribution<float>(-10, 10)(rng());
+    points.push_back({std::uniform_int_distribution<int>(0, kB - 1)(rng()),
+                      std::uniform_int_distribution<int>(0, kH - 1)(rng()), random_index(),
+                      random_index(), kQLen, std::uniform_int_distribution<int>(1, 50)(rng()), s});
+  }
+
+  // Random variants; the score_mod may read score, the mask_mod may not.
+  RandomExprOptions sopt;
+  sopt.decls = &decls;
+  sopt.inputs[0] = true;
+  sopt.max_depth = 5;
+  RandomExprOptions mopt = sopt;
+  mopt.inputs[0] = false;
+  std::vector<Graph> scores(kVariants), masks(kVariants);
+  const uint64_t seed = rng()();
+  for (int v = 0; v < kVariants; ++v) {
+    RandomExpr sg(seed + 2 * v, sopt), mg(seed + 2 * v + 1, mopt);
+    scores[v].root = sg.float_expr(scores[v]);
+    masks[v].root = mg.bool_expr(masks[v]);
+  }
+
+  // The host program: every variant's header in its own namespace, evaluated at every point.
+  const fs::path dir = fs::temp_directory_path() / fmt::format("flexc_emit_{}", getpid());
+  fs::create_directories(dir);
+  std::string prog =
+      std::string(kShim) + "#include \"" FLEXC_SOURCE_DIR "/templates/flexc_hooks.cuh\"\n";
+  for (int v = 0; v < kVariants; ++v) {
+    // Distinct names keep the headers distinct: GCC's #pragma once merges identical files.
+    const std::string h =
+        emit_cuda_variant({&scores[v], &masks[v], &decls, fmt::format("random{}", v)});
+    std::ofstream(dir / fmt::format("v{}.cuh", v)) << h;
+    prog += fmt::format("namespace v{0} {{\n#include \"v{0}.cuh\"\n}}\n", v);
+  }
+  for (size_t c = 0; c < bufs.size(); ++c)
+    prog += fmt::format("unsigned char data{}[] = {{{}}};\nfloat grad{}[{}];\n", c,
+                        c_bytes(bufs[c].bytes), c, bufs[c].grad.size());
+  prog += "struct P { int b, h, q, kv, q_len, kv_len; unsigned score; };\nP points[] = {";
+  for (const Point& p : points)
+    prog += fmt::format("{{{},{},{},{},{},{},0x{}u}},", p.b, p.h, p.q, p.kv, p.q_len, p.kv_len,
+                        hex_bits(p.score));
+  prog += "};\nint main() {\n  FlexcArgs a{};\n";
+  for (size_t c = 0; c < bufs.size(); ++c) {
+    prog += fmt::format("  a.captures[{0}].data = data{0}; a.captures[{0}].grad = grad{0};\n", c);
+    for (size_t k = 0; k < 4; ++k)
+      prog += fmt::format("  a.captures[{}].shape[{}] = {}; a.captures[{}].stride[{}] = {};\n", c,
+                          k, k < bufs[c].shape.size() ? bufs[c].shape[k] : 1, c, k,
+                          k < bufs[c].strides.size() ? bufs[c].strides[k] : 0);
+  }
+  prog += fmt::format("  a.fparam[0] = std::bit_cast<float>(0x{}u); a.iparam[1] = {};\n",
+                      hex_bits(pf), pi);
+  for (int v = 0; v < kVariants; ++v) {
+    prog += fmt::format(
+        "  for (const P& p : points) {{\n"
+        "    const float s = std::bit_cast<float>(p.score);\n"
+        "    const float r = v{0}::FlexcVariant::score_mod(a, s, p.b, p.h, p.q, p.kv, p.q_len, "
+        "p.kv_len);\n"
+        "    const float g = v{0}::FlexcVariant::score_mod_grad(a, s, p.b, p.h, p.q, p.kv, "
+        "p.q_len, p.kv_len);\n"
+        "    const bool m = v{0}::FlexcVariant::mask_mod(a, p.b, p.h, p.q, p.kv, p.q_len, "
+        "p.kv_len);\n"
+        "    v{0}::FlexcVariant::accumulate_capture_grads(a, 0.5f, s, p.b, p.h, p.q, p.kv, "
+        "p.q_len, p.kv_len);\n"
+        "    std::printf(\"%08x %08x %d\\n\", std::bit_cast<unsigned>(r), "
+        "std::bit_cast<unsigned>(g), (int)m);\n"
+        "  }}\n",
+        v);
+  }
+  for (size_t c = 0; c < bufs.size(); ++c)
+    prog += fmt::format(
+        "  for (float x : grad{}) std::printf(\"%08x\\n\", std::bit_cast<unsigned>(x));\n", c);
+  prog += "}\n";
+  std::ofstream(dir / "main.cpp") << prog;
+
+  const char* cxx = std::getenv("CXX");
+  const std::string cmd = fmt::format(
+      "cd '{}' && '{}' -std=c++20 -O1 -ffp-contract=off -fno-builtin -w -I'{}/templates' main.cpp -o main "
+      "2> build.log && ./main > out.txt",
+      dir.string(), cxx && *cxx ? cxx : "c++", FLEXC_SOURCE_DIR);
+  const int rc = std::system(cmd.c_str());
+  if (rc != 0) {
+    std::ifstream log(dir / "build.log");
+    FAIL("building or running the host program failed ("
+         << cmd << "):\n"
+         << std::string(std::istreambuf_iterator<char>(log), {}));
+  }
+
+  // The same on the interpreter, F32 mode.
+  std::vector<HostTensor> tensors;
+  for (const Buffer& b : bufs) tensors.push_back({b.dtype, b.bytes.data(), b.shape, b.strides});
+  const double params[] = {pf, static_cast<double>(pi)};
+  std::ifstream out(dir / "out.txt");
+  std::vector<Value> scratch;
+  for (int v = 0; v < kVariants; ++v) {
+    const Graph s = simplify(scores[v]), m = simplify(masks[v]);
+    Graph dg = s;
+    const NodeId droot = derivative_wrt_score(dg, dg.root);
+    Graph cg = s;
+    const std::vector<LoadDerivative> loads = derivatives_wrt_loads(cg, cg.root);
+    for (const Point& p : points) {
+      EvalEnv env;
+      env.ints = {0, p.b, p.h, p.q, p.kv, p.q_len, p.kv_len};
+      env.score = p.score;
+      env.params = params;
+      env.captures = tensors;
+      const float want_s = static_cast<float>(evaluate(s, env, Precision::F32, scratch).f);
+      const float want_g = static_cast<float>(evaluate(dg, droot, env, Precision::F32, scratch).f);
+      const bool want_m = evaluate(m, env, Precision::F32, scratch).i != 0;
+      for (const LoadDerivative& ld : loads) {
+        const Node& load = cg[ld.load];
+        const Buffer& buf = bufs[load.slot];
+        int64_t off = 0;
+        for (int k = 0; k < load.nargs; ++k) {
+          const int64_t i = evaluate(cg, load.args[k], env, Precision::F32, scratch).i;
+          off += ((i % buf.shape[k]) + buf.shape[k]) % buf.shape[k] * buf.strides[k];
+        }
+        const float d =
+            static_cast<float>(evaluate(cg, ld.derivative, env, Precision::F32, scratch).f);
+        bufs[load.slot].grad[static_cast<size_t>(off)] += 0.5f * d;
+      }
+      std::string got_s, got_g;
+      int got_m = -1;
+      out >> got_s >> got_g >> got_m;
+      INFO("variant " << v << ": score_mod " << to_text(s, s.root, decls) << "; mask_mod "
+                      << to_text(m, m.root, decls) << "; at b=" << p.b << " h=" << p.h << " q="
+                      << p.q << " kv=" << p.kv << " kv_len=" << p.kv_len << " score=" << p.score);
+      const auto same = [](const std::string& got, float want) {
+        return std::isnan(want) ? std::isnan(std::bit_cast<float>(
+                                      static_cast<uint32_t>(std::stoul(got, nullptr, 16))))
+                                : got == hex_bits(want);
+      };
+      CHECK(same(got_s, want_s));
+      CHECK(same(got_g, want_g));
+      CHECK(got_m == static_cast<int>(want_m));
+    }
+  }
+  for (const Buffer& b : bufs)
+    for (float want : b.grad) {
+      std::string got;
+      out >> got;
+      const float g = std::bit_cast<float>(static_cast<uint32_t>(std::stoul(got, nullptr, 16)));
+      if (std::isnan(want))
+        CHECK(std::isnan(g));
+      else
+        CHECK(g == want);
+    }
+  fs::remove_all(dir);
+}

@@ -1,0 +1,928 @@
+// The JIT runtime: cache keys, the memory and disk caches (hits, corruption, locking, eviction),
+// NVRTC errors mapped back to their source, every kernel template with every catalogue variant,
+// and (with a GPU) the generated hooks evaluated on the device against the interpreter.
+#include <fmt/format.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <bit>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "dsl/analysis.h"
+#include "dsl/emit_cuda.h"
+#include "flexc/error.h"
+#include "flexc/variant.h"
+#include "jit/abi.h"
+#include "jit/cache.h"
+#include "jit/compiler.h"
+#include "jit/driver.h"
+#include "jit/jit.h"
+#include "jit/kernels.h"
+#include "jit/splice.h"
+#include "random_expr.h"
+#include "variant_impl.h"
+
+extern char** environ;
+
+using namespace flexc;
+using namespace flexc::jit;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r = [] {
+    const uint64_t seed = std::random_device{}();
+    WARN("test_jit random seed: " << seed);
+    return std::mt19937_64(seed);
+  }();
+  return r;
+}
+
+// Sets (or, with nullptr, unsets) an environment variable for the scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / fmt::format("flexc_jit_{}_{:x}", getpid(), rng()());
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+// A private, empty cache for one test: FLEXC_CACHE_DIR points into a temporary directory.
+struct FreshCache {
+  TempDir dir;
+  ScopedEnv env{"FLEXC_CACHE_DIR", dir.path.c_str()};
+  ScopedEnv on{"FLEXC_DISABLE_DISK_CACHE", nullptr};
+  FreshCache() { reset_cache(); }
+  ~FreshCache() { reset_cache(); }
+  std::vector<fs::path> entries() const {
+    std::vector<fs::path> out;
+    for (const auto& e : fs::directory_iterator(dir.path))
+      if (e.path().extension() == ".bin") out.push_back(e.path());
+    return out;
+  }
+};
+
+// A variant nobody compiled before in this cache: a random constant in its score_mod.
+Variant fresh_variant() {
+  return Variant::from_strings(fmt::format("score * {} + float(q_idx - kv_idx)",
+                                           std::uniform_int_distribution<int>(2, 1 << 20)(rng())),
+                               "kv_idx <= q_idx");
+}
+
+KernelSpec eval_spec(std::string arch = "sm_80") { return mods_eval_spec({std::move(arch)}); }
+
+// Captures stderr while alive.
+class StderrCapture {
+ public:
+  StderrCapture() : file_(std::tmpfile()) {
+    std::fflush(stderr);
+    saved_ = dup(2);
+    dup2(fileno(file_), 2);
+  }
+  ~StderrCapture() {
+    restore();
+    std::fclose(file_);
+  }
+  std::string text() {
+    restore();
+    std::rewind(file_);
+    std::string s;
+    for (int c; (c = std::fgetc(file_)) != EOF;) s += static_cast<char>(c);
+    return s;
+  }
+
+ private:
+  void restore() {
+    if (saved_ < 0) return;
+    std::fflush(stderr);
+    dup2(saved_, 2);
+    close(saved_);
+    saved_ = -1;
+  }
+  FILE* file_;
+  int saved_ = -1;
+};
+
+std::string read_all(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_all(const fs::path& p, std::string_view s) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc)
+      .write(s.data(), static_cast<std::streamsize>(s.size()));
+}
+
+}  // namespace
+
+// ---- keys
+
+TEST_CASE("the cache key changes with every input and with nothing else", "[jit]") {
+  const Unit base{{"k.cuh", "main text"}, {{"a.cuh", "header a"}, {kVariantHeader.data(), "gen"}}};
+  const std::vector<std::string> opts = {"--gpu-architecture=sm_90", "-DX=1"};
+  const auto key = [&](auto&& tweak) {
+    std::string flexc = "0.1.0", nvrtc = "nvrtc 13.0 lib (1 bytes)", arch = "sm_90";
+    std::vector<std::string> o = opts;
+    Unit u = base;
+    tweak(flexc, nvrtc, arch, o, u);
+    return cache_key(flexc, nvrtc, arch, o, u);
+  };
+  const auto same = [](auto&...) {};
+  const std::string k0 = key(same);
+  CHECK(k0.size() == 64);
+  CHECK(key(same) == k0);
+  std::set<std::string> keys{k0};
+  const std::vector<std::function<void(std::string&, std::string&, std::string&,
+                                       std::vector<std::string>&, Unit&)>>
+      tweaks = {
+          [](auto& f, auto&, auto&, auto&, auto&) { f = "0.1.1"; },
+          [](auto&, auto& n, auto&, auto&, auto&) { n = "nvrtc 13.0 lib (2 bytes)"; },
+          [](auto&, auto&, auto& a, auto&, auto&) { a = "sm_80"; },
+          [](auto&, auto&, auto&, auto& o, auto&) { o[1] = "-DX=2"; },
+          [](auto&, auto&, auto&, auto& o, auto&) { o.push_back("-lineinfo"); },
+          [](auto&, auto&, auto&, auto& o, auto&) { std::swap(o[0], o[1]); },
+          [](auto&, auto&, auto&, auto&, auto& u) { u.main.name = "j.cuh"; },
+          [](auto&, auto&, auto&, auto&, auto& u) { u.main.text += " "; },
+          [](auto&, auto&, auto&, auto&, auto& u) { u.headers[0].name = "b.cuh"; },
+          [](auto&, auto&, auto&, auto&, auto& u) { u.headers[0].text = "header A"; },
+          [](auto&, auto&, auto&, auto&, auto& u) { u.headers[1].text += "\n"; },
+          [](auto&, auto&, auto&, auto&, auto& u) {
+            u.headers.push_back({"c.cuh", ""});
+          },
+          // Moving text between fields must not collide.
+          [](auto&, auto&, auto&, auto&, auto& u) {
+            u.main.text = "main tex";
+            u.headers[0].text = "theader a";
+          },
+      };
+  for (const auto& t : tweaks) CHECK(keys.insert(key(t)).second);
+}
+
+TEST_CASE("compile keys are stable and follow variant, template, headers, defines, arch", "[jit]") {
+  FreshCache cache;
+  ScopedEnv no_lineinfo("FLEXC_LINEINFO", nullptr);
+  ScopedEnv no_dir("FLEXC_TEMPLATE_DIR", nullptr);
+  const Variant v =
+      Variant::from_strings("score * 2.0 + p", "kv_idx <= q_idx", {}, {{"p", "float", 1.0, false}});
+  const std::string k = compile(v, eval_spec()).key;
+  reset_cache();
+  CHECK(compile(v, eval_spec()).key == k);  // no pointer, time or counter leaks into the key
+
+  std::set<std::string> keys{k};
+  const auto differs = [&](const Variant& var, const KernelSpec& s) {
+    return keys.insert(compile(var, s).key).second;
+  };
+  CHECK(differs(
+      Variant::from_strings("score * 3.0 + p", "kv_idx <= q_idx", {}, {{"p", "float", 1.0, false}}),
+      eval_spec()));
+  CHECK(differs(v, eval_spec("sm_90")));
+  KernelSpec with_define = eval_spec();
+  with_define.defines.push_back({"FLEXC_UNUSED", "1"});
+  CHECK(differs(v, with_define));
+  {
+    ScopedEnv li("FLEXC_LINEINFO", "1");
+    reset_cache();
+    CHECK(differs(v, eval_spec()));
+  }
+  // A runtime param's value is a kernel argument: a new default compiles nothing new.
+  CHECK(compile(Variant::from_strings("score * 2.0 + p", "kv_idx <= q_idx", {},
+                                      {{"p", "float", 7.0, false}}),
+                eval_spec())
+            .key == k);
+  // The entry name does not change the binary.
+  KernelSpec other_entry = eval_spec();
+  other_entry.entry = "something_else";
+  CHECK(compile(v, other_entry).key == k);
+
+  // Template and header contents, through FLEXC_TEMPLATE_DIR.
+  TempDir tdir;
+  ScopedEnv td("FLEXC_TEMPLATE_DIR", tdir.path.c_str());
+  for (const char* file : {"mods_eval.cuh", "flexc_hooks.cuh"}) {
+    write_all(tdir.path / file, *template_text(file) + "\n// edited\n");
+    reset_cache();
+    CHECK(differs(v, eval_spec()));
+    fs::remove(tdir.path / file);
+  }
+  reset_cache();
+  CHECK(compile(v, eval_spec()).key == k);
+}
+
+// ---- memory and disk cache
+
+TEST_CASE("cache hits and misses, in memory and on disk", "[jit]") {
+  FreshCache cache;
+  const Variant v = fresh_variant();
+  const CacheCounters c0 = cache_counters();
+
+  const Compiled first = compile(v, eval_spec());
+  CHECK_FALSE(first.from_cache);
+  CHECK(first.compile_seconds > 0);
+  CHECK(first.cubin.size() > 0);
+  CHECK(first.ptx.find(".entry flexc_mods_eval") != std::string::npos);
+  CHECK(cache_counters().compiles == c0.compiles + 1);
+  CHECK(cache.entries().size() == 1);
+
+  const Compiled mem = compile(v, eval_spec());
+  CHECK(mem.from_cache);
+  CHECK_FALSE(mem.from_disk);
+  CHECK(mem.cubin == first.cubin);
+  CHECK(cache_counters().memory_hits == c0.memory_hits + 1);
+
+  reset_cache();  // a new process, as far as the cache can tell
+  const Compiled disk = compile(v, eval_spec());
+  CHECK(disk.from_disk);
+  CHECK(disk.cubin == first.cubin);
+  CHECK(disk.ptx == first.ptx);
+  CHECK(disk.compile_seconds == 0);
+  CHECK(cache_counters().disk_hits == c0.disk_hits + 1);
+  CHECK(cache_counters().compiles == c0.compiles + 1);
+
+  {
+    ScopedEnv off("FLEXC_DISABLE_DISK_CACHE", "1");
+    reset_cache();
+    CHECK_FALSE(compile(v, eval_spec()).from_cache);
+    CHECK(cache_counters().compiles == c0.compiles + 2);
+  }
+  reset_cache();
+  CHECK_FALSE(compile(v, eval_spec(), {.use_cache = false}).from_cache);
+  CHECK(cache_counters().compiles == c0.compiles + 3);
+  CHECK(compile(v, eval_spec()).from_disk);
+}
+
+TEST_CASE("truncated, corrupt and foreign cache files are dropped and recompiled", "[jit]") {
+  FreshCache cache;
+  const Variant v = fresh_variant();
+  const Compiled good = compile(v, eval_spec());
+  const fs::path file = cache.entries().at(0);
+  const std::string bytes = read_all(file);
+  REQUIRE(bytes.size() > 200);
+
+  struct Damage {
+    const char* what;
+    std::string content;
+    const char* reason;
+  };
+  std::string flipped_payload = bytes, flipped_key = bytes, other_format = bytes;
+  flipped_payload[bytes.size() / 2] ^= 0x10;
+  flipped_key[20] = flipped_key[20] == 'a' ? 'b' : 'a';
+  other_format[8] = 99;
+  std::string noise(300, '\0');
+  for (char& c : noise) c = static_cast<char>(rng()());
+  const std::vector<Damage> damages = {
+      {"truncated payload", bytes.substr(0, bytes.size() - 100), "payload of"},
+      {"truncated header", bytes.substr(0, 50), "truncated header"},
+      {"empty", "", "not a flexc cache file"},
+      {"flipped payload byte", flipped_payload, "checksum mismatch"},
+      {"another key", flipped_key, "another key"},
+      {"another format", other_format, "cache format 99"},
+      {"foreign text", "#!/bin/sh\necho this is not a cubin\n", "not a flexc cache file"},
+      {"random bytes", noise, "not a flexc cache file"},
+  };
+  for (const Damage& d : damages) {
+    INFO(d.what);
+    write_all(file, d.content);
+    reset_cache();
+    const CacheCounters before = cache_counters();
+    StderrCapture err;
+    const Compiled again = compile(v, eval_spec());
+    const std::string warning = err.text();
+    CHECK_FALSE(again.from_cache);
+    CHECK(cache_counters().compiles == before.compiles + 1);
+    CHECK(again.cubin == good.cubin);
+    CHECK(warning.find("flexc: warning: dropping cache file " + file.string()) !=
+          std::string::npos);
+    CHECK(warning.find(d.reason) != std::string::npos);
+    CHECK(read_all(file) == bytes);  // rewritten whole
+  }
+}
+
+TEST_CASE("one key compiles once across threads; several keys at once", "[jit]") {
+  FreshCache cache;
+  const Variant v = fresh_variant();
+  const CacheCounters c0 = cache_counters();
+  std::vector<std::string> keys(8);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < keys.size(); ++i)
+    threads.emplace_back([&, i] { keys[i] = compile(v, eval_spec()).key; });
+  for (std::thread& t : threads) t.join();
+  CHECK(std::set<std::string>(keys.begin(), keys.end()).size() == 1);
+  CHECK(cache_counters().compiles == c0.compiles + 1);
+  CHECK(cache_counters().memory_hits == c0.memory_hits + 7);
+
+  const Variant w = fresh_variant();
+  const std::vector<KernelSpec> specs = {eval_spec("sm_80"), eval_spec("sm_86"), eval_spec("sm_90"),
+                                         eval_spec("sm_80")};
+  const std::vector<Compiled> all = compile_all(w, specs);
+  REQUIRE(all.size() == 4);
+  CHECK(all[0].key == all[3].key);
+  CHECK(std::set<std::string>{all[0].key, all[1].key, all[2].key}.size() == 3);
+  CHECK(cache_counters().compiles == c0.compiles + 4);
+  CHECK(cache.entries().size() == 4);
+
+  // A failure is reported, after the other compiles finished.
+  const std::vector<KernelSpec> bad = {eval_spec("sm_80"), eval_spec("sm_1")};
+  CHECK_THROWS_WITH(compile_all(w, bad), Catch::Contains("cannot compile for 'sm_1'"));
+}
+
+// The child side of the next test: compiles one fixed key and reports how it got it.
+TEST_CASE("jit child: compile one key", "[.jit_child]") {
+  const char* out = std::getenv("FLEXC_JIT_CHILD_OUT");
+  if (!out) return;  // run by hand: nothing to report to
+  const Variant v = Variant::from_strings(std::getenv("FLEXC_JIT_CHILD_SCORE"), "kv_idx <= q_idx");
+  const Compiled c = compile(v, eval_spec());
+  std::ofstream(out) << (c.from_disk    ? "disk"
+                         : c.from_cache ? "memory"
+                                        : "compiled")
+                     << " " << c.key << "\n";
+  REQUIRE(!c.cubin.empty());
+}
+
+TEST_CASE("eight processes asking for one key compile it once", "[jit]") {
+  FreshCache cache;
+  const std::string score = fmt::format("score * {} - float(kv_idx)",
+                                        std::uniform_int_distribution<int>(2, 1 << 20)(rng()));
+  ScopedEnv s("FLEXC_JIT_CHILD_SCORE", score.c_str());
+  constexpr int kProcs = 8;
+  std::vector<pid_t> pids;
+  std::vector<fs::path> outs;
+  for (int i = 0; i < kProcs; ++i) {
+    outs.push_back(cache.dir.path / fmt::format("child{}.txt", i));
+    const std::string out_var = "FLEXC_JIT_CHILD_OUT=" + outs.back().string();
+    std::vector<char*> envp;
+    for (char** e = environ; *e; ++e) envp.push_back(*e);
+    envp.push_back(const_cast<char*>(out_var.c_str()));
+    envp.push_back(nullptr);
+    char arg0[] = "test_jit", arg1[] = "jit child: compile one key";
+    char* argv[] = {arg0, arg1, nullptr};
+    pid_t pid = 0;
+    REQUIRE(posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data()) == 0);
+    pids.push_back(pid);
+  }
+  for (pid_t pid : pids) {
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  }
+  std::map<std::string, int> how;
+  std::set<std::string> keys;
+  for (const fs::path& p : outs) {
+    std::string h, k;
+    std::ifstream(p) >> h >> k;
+    ++how[h];
+    keys.insert(k);
+  }
+  CHECK(how["compiled"] == 1);
+  CHECK(how["disk"] == kProcs - 1);
+  CHECK(keys.size() == 1);
+  CHECK(cache.entries().size() == 1);
+}
+
+TEST_CASE("least recently used entries are evicted past the size limit", "[jit]") {
+  TempDir dir;
+  const std::string blob(1000, 'x');
+  DiskCache dc({dir.path, true, 3500});
+  const auto key = [](int i) { return fmt::format("{:064x}", i + 1); };
+  const auto t0 = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  for (int i = 0; i < 3; ++i) {
+    dc.store(key(i), {"entry", blob, ""});
+    fs::last_write_time(dc.path_of(key(i)), t0 + std::chrono::minutes(i));
+  }
+  CHECK(dc.list().size() == 3);
+  REQUIRE(dc.load(key(0)));  // a hit makes entry 0 the most recently used
+  dc.store(key(3), {"entry", blob, ""});
+  std::set<std::string> left;
+  for (const DiskCache::Item& it : dc.list()) left.insert(it.key);
+  CHECK(left == std::set<std::string>{key(0), key(2), key(3)});
+  CHECK(dc.total_bytes() <= 3500);
+  CHECK(dc.list().front().description == "entry");
+  CHECK(dc.clear() == 3);
+  CHECK(dc.list().empty());
+}
+
+TEST_CASE("cache settings come from the environment", "[jit]") {
+  ScopedEnv a("FLEXC_CACHE_DIR", nullptr), b("XDG_CACHE_HOME", "/x/cache"), c("HOME", "/home/u"),
+      d("FLEXC_DISABLE_DISK_CACHE", nullptr), e("FLEXC_CACHE_MAX_BYTES", nullptr);
+  CHECK(CacheSettings::from_env().dir == "/x/cache/flexc");
+  CHECK(CacheSettings::from_env().disk);
+  {
+    ScopedEnv x("XDG_CACHE_HOME", nullptr);
+    CHECK(CacheSettings::from_env().dir == "/home/u/.cache/flexc");
+  }
+  {
+    ScopedEnv x("FLEXC_CACHE_DIR", "/tmp/here");
+    CHECK(CacheSettings::from_env().dir == "/tmp/here");
+  }
+  {
+    ScopedEnv x("FLEXC_DISABLE_DISK_CACHE", "1");
+    CHECK_FALSE(CacheSettings::from_env().disk);
+  }
+  for (auto [text, bytes] :
+       {std::pair{"12345", 12345ull}, {"10K", 10240ull}, {"3M", 3ull << 20}, {"2G", 2ull << 30}}) {
+    ScopedEnv x("FLEXC_CACHE_MAX_BYTES", text);
+    CHECK(CacheSettings::from_env().max_bytes == bytes);
+  }
+  for (const char* bad : {"12Q", "-5", "K", "1.5G", "99999999999999999999"}) {
+    ScopedEnv x("FLEXC_CACHE_MAX_BYTES", bad);
+    CHECK_THROWS_WITH(CacheSettings::from_env(), Catch::Contains("FLEXC_CACHE_MAX_BYTES"));
+  }
+}
+
+// ---- errors
+
+TEST_CASE("NVRTC errors map back to the user's expression or the template line", "[jit]") {
+  dsl::Mod score;
+  score.kind = dsl::ModKind::Score;
+  score.source = "let d = q_idx - kv_idx;\nscore + float(d // 3)";
+  score.origin = "alibi.json: score_mod";
+  const std::string header =
+      "// generated\n"
+      "struct FlexcVariant {\n"
+      "    const int t5 = flexc_floordiv(t4, 3);  // @score_mod:38:44\n"
+      "    const int t6 = flexc_sub(q_idx, kv_idx);\n"
+      "};\n";
+  const ErrorContext ctx{"compiling the flexc mods_eval kernel for variant 'alibi' (sm_90)", header,
+                         &score, nullptr};
+  const std::string log =
+      "flexc_variant.cuh(3): error: identifier \"flexc_floordiv\" is undefined\n"
+      "      const int t5 = flexc_floordiv(t4, 3);\n"
+      "                     ^\n\n"
+      "flexc_variant.cuh(4): warning #177-D: variable \"t6\" was declared but never referenced\n\n"
+      "mods_eval.cuh(12): error: expected a \";\"\n"
+      "    int x = 1\n"
+      "             ^\n\n"
+      "flexc_variant.cuh(4): error: too few arguments\n\n"
+      "3 errors detected in the compilation of \"mods_eval.cuh\".\n";
+  const std::string msg = explain_nvrtc_log(log, ctx);
+  INFO(msg);
+  CHECK(msg.starts_with(
+      "compiling the flexc mods_eval kernel for variant 'alibi' (sm_90) failed:\n"));
+  // The marker: line 2, column 15 of the user's text, with a caret under `d // 3`.
+  CHECK(msg.find("alibi.json: score_mod:2:15: error: the CUDA compiler rejected the code "
+                 "generated for this: identifier \"flexc_floordiv\" is undefined") !=
+        std::string::npos);
+  CHECK(msg.find("score + float(d // 3)\n") != std::string::npos);
+  CHECK(msg.find("^~~~~~") != std::string::npos);
+  CHECK(msg.find("templates/mods_eval.cuh:12: error: expected a \";\"\n    int x = 1\n") !=
+        std::string::npos);
+  CHECK(msg.find("flexc_variant.cuh:4: error: too few arguments (in flexc's generated code: a "
+                 "flexc bug)") != std::string::npos);
+  CHECK(msg.find("warning") == std::string::npos);
+  CHECK(msg.find("errors detected") == std::string::npos);
+
+  // An unrecognisable log is shown whole.
+  CHECK(explain_nvrtc_log("internal compiler failure\n", ctx).find("internal compiler failure") !=
+        std::string::npos);
+}
+
+TEST_CASE("a real NVRTC error on a generated line points at the user's text", "[jit]") {
+  const Variant v = Variant::from_strings("score + float((q_idx - kv_idx) // 7)", "true");
+  const detail::VariantImpl& impl = v.impl();
+  std::string header =
+      dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name});
+  // Break the statement the user's `//` became, as a miscompiled emitter would.
+  const size_t at = header.find("flexc_floordiv(");
+  REQUIRE(at != std::string::npos);
+  header.replace(at, 15, "flexc_floordiv_nope(");
+  const ErrorContext ctx{"compiling a test kernel", header, &impl.score, &impl.mask};
+  try {
+    nvrtc_compile(splice("mods_eval.cuh", header), nvrtc_options("sm_80", {}), ctx);
+    FAIL("the broken header compiled");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    INFO(msg);
+    CHECK(msg.find("score_mod:1:15: error: the CUDA compiler rejected the code generated for "
+                   "this: identifier \"flexc_floordiv_nope\" is undefined") != std::string::npos);
+    CHECK(msg.find("score + float((q_idx - kv_idx) // 7)\n") != std::string::npos);
+    CHECK(msg.find("^~~~~~~~~~~~~~~~~~~~~\n") != std::string::npos);
+  }
+}
+
+TEST_CASE("an error in a template names the template file and line", "[jit]") {
+  FreshCache cache;
+  TempDir tdir;
+  ScopedEnv td("FLEXC_TEMPLATE_DIR", tdir.path.c_str());
+  std::string text = *template_text("mods_eval.cuh");
+  const size_t lines = static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+  write_all(tdir.path / "mods_eval.cuh", text + "int broken = ;\n");
+  reset_cache();
+  CHECK_THROWS_WITH(compile(fresh_variant(), eval_spec()),
+                    Catch::Contains(fmt::format("templates/mods_eval.cuh:{}: error: expected an "
+                                                "expression",
+                                                lines + 1)));
+}
+
+TEST_CASE("bad kernel requests get one clear error", "[jit]") {
+  FreshCache cache;
+  const Variant v = fresh_variant();
+  CHECK_THROWS_WITH(compile(v, {"nope.cuh", "x", {}, "sm_90"}),
+                    Catch::Contains("unknown kernel template 'nope.cuh' (templates: ") &&
+                        Catch::Contains("mods_eval.cuh"));
+  CHECK_THROWS_WITH(
+      compile(v, eval_spec("sm_91")),
+      Catch::Contains("cannot compile for 'sm_91': NVRTC targets ") && Catch::Contains("sm_90"));
+  CHECK_THROWS_WITH(compile(v, eval_spec("gfx90a")),
+                    Catch::Contains("cannot compile for 'gfx90a'"));
+  KernelSpec bad = eval_spec();
+  bad.defines.push_back({"A B", "1"});
+  CHECK_THROWS_WITH(compile(v, bad), Catch::Contains("bad kernel define 'A B=1'"));
+  CHECK_THROWS_WITH(find_kernel("nope"), Catch::Contains("unknown kernel 'nope' (kernels: ") &&
+                                             Catch::Contains("mods_eval"));
+  {
+    ScopedEnv h("CUDA_HOME", "/nonexistent/cuda");
+    CHECK_THROWS_WITH(find_toolkit(),
+                      Catch::Contains("the CUDA toolkit's headers were not found: "
+                                      "/nonexistent/cuda (CUDA_HOME) has no include/cuda_fp16.h") &&
+                          Catch::Contains("set CUDA_HOME"));
+  }
+  CHECK(find_toolkit().include_dirs.size() >= 1);
+  CHECK(compile(v, {"mods_eval.cuh", "x", {}, "compute_90"}).cubin.empty());
+}
+
+// ---- templates x catalogue
+
+TEST_CASE("every kernel template compiles with every catalogue variant for sm_80 and sm_90",
+          "[jit][catalogue]") {
+  FreshCache cache;
+  REQUIRE_FALSE(Variant::catalogue_names().empty());
+  for (const std::string& name : Variant::catalogue_names()) {
+    const Variant v = Variant::from_catalogue(name);
+    std::vector<KernelSpec> specs;
+    for (const KnownKernel& k : known_kernels())
+      for (const char* arch : {"sm_80", "sm_90"}) specs.push_back(k.spec({arch, "bf16", 128}));
+    INFO(name);
+    const std::vector<Compiled> out = compile_all(v, specs);
+    for (size_t i = 0; i < out.size(); ++i) {
+      INFO(specs[i].template_name << " " << specs[i].arch);
+      CHECK(out[i].cubin.size() > 0);
+      CHECK(out[i].ptx.find(".entry " + specs[i].entry) != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("generated code for random mods compiles with NVRTC", "[jit]") {
+  dsl::Decls decls;
+  decls.captures.push_back({"f", dsl::DType::F32, {{dsl::Dim::H}}});
+  decls.captures.push_back({"h", dsl::DType::F16, {{dsl::Dim::Fixed, 4}, {dsl::Dim::QLen}}});
+  decls.captures.push_back({"bf", dsl::DType::BF16, {{dsl::Dim::KvLen}}});
+  decls.captures.push_back(
+      {"i", dsl::DType::I32, {{dsl::Dim::B}, {dsl::Dim::Fixed, 3}, {dsl::Dim::Fixed, 2}}});
+  decls.captures.push_back(
+      {"m",
+       dsl::DType::Bool,
+       {{dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::H}}});
+  decls.params.push_back({"pf", dsl::Type::Float, 0, false});
+  decls.params.push_back({"pi", dsl::Type::Int, 0, false});
+  dsl::testing::RandomExprOptions sopt;
+  sopt.decls = &decls;
+  sopt.inputs[0] = true;
+  sopt.max_depth = 6;
+  dsl::testing::RandomExprOptions mopt = sopt;
+  mopt.inputs[0] = false;
+  const uint64_t seed = rng()();
+  for (int i = 0; i < 6; ++i) {
+    dsl::Graph s, m;
+    s.root = dsl::testing::RandomExpr(seed + 2 * i, sopt).float_expr(s);
+    m.root = dsl::testing::RandomExpr(seed + 2 * i + 1, mopt).bool_expr(m);
+    const std::string header = dsl::emit_cuda_variant({&s, &m, &decls, "random"});
+    INFO(header);
+    const NvrtcOutput out = nvrtc_compile(splice("mods_eval.cuh", header),
+                                          nvrtc_options("sm_90", {}), {"compiling", header});
+    CHECK(out.cubin.size() > 0);
+  }
+}
+
+TEST_CASE("the spliced source is one self-contained translation unit", "[jit]") {
+  FreshCache cache;
+  const Compiled c = compile(Variant::from_catalogue("alibi"), eval_spec("sm_90"));
+  CHECK(c.source.find("#line 1 \"flexc_hooks.cuh\"") != std::string::npos);
+  CHECK(c.source.find("#line 1 \"flexc_variant.cuh\"") != std::string::npos);
+  CHECK(c.source.find("#include \"") == std::string::npos);
+  // NVRTC compiles it with no in-memory headers at all, to the same machine code.
+  const NvrtcOutput alone =
+      nvrtc_compile({{"spliced.cu", c.source}, {}}, nvrtc_options("sm_90", {}), {"compiling", ""});
+  CHECK(alone.cubin.size() > 0);
+  CHECK(alone.ptx.find(".entry flexc_mods_eval") != std::string::npos);
+}
+
+// ---- on a GPU
+
+namespace {
+
+int64_t extent(const dsl::Dim& d, int B, int H, int q_len, int kv_len) {
+  switch (d.kind) {
+    case dsl::Dim::B:
+      return B;
+    case dsl::Dim::H:
+      return H;
+    case dsl::Dim::QLen:
+      return q_len;
+    case dsl::Dim::KvLen:
+      return kv_len;
+    case dsl::Dim::Fixed:
+      break;
+  }
+  return d.extent;
+}
+
+// Random finite elements of a dtype; fp16 / bf16 as bits.
+std::vector<uint8_t> random_elements(dsl::DType t, size_t n) {
+  std::vector<uint8_t> out;
+  for (size_t i = 0; i < n; ++i) {
+    const float f = std::uniform_real_distribution<float>(-2, 2)(rng());
+    const int32_t k = std::uniform_int_distribution<int32_t>(0, 3)(rng());
+    // fp16: sign, exponent 10..19 (0.0005 .. 16), random mantissa.
+    const uint16_t h =
+        static_cast<uint16_t>((rng()() & 0x8000) | ((10 + rng()() % 10) << 10) | (rng()() & 0x3ff));
+    const uint16_t bf = static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16);
+    const uint8_t* p = nullptr;
+    size_t bytes = 0;
+    switch (t) {
+      case dsl::DType::F32:
+        p = reinterpret_cast<const uint8_t*>(&f), bytes = 4;
+        break;
+      case dsl::DType::I32:
+        p = reinterpret_cast<const uint8_t*>(&k), bytes = 4;
+        break;
+      case dsl::DType::F16:
+        p = reinterpret_cast<const uint8_t*>(&h), bytes = 2;
+        break;
+      case dsl::DType::BF16:
+        p = reinterpret_cast<const uint8_t*>(&bf), bytes = 2;
+        break;
+      case dsl::DType::Bool:
+        out.push_back(static_cast<uint8_t>(k & 1));
+        continue;
+    }
+    out.insert(out.end(), p, p + bytes);
+  }
+  return out;
+}
+
+// `got` is `want` within `tol` relative (absolute below magnitude 1); with tol == 0, bit for bit
+// (any NaN matches any NaN).
+bool close(float got, double want, double tol) {
+  if (std::isnan(want)) return std::isnan(got);
+  if (tol == 0)
+    return std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(static_cast<float>(want));
+  if (std::isinf(want)) return got == want;
+  return std::abs(got - want) <= tol * std::max(1.0, std::abs(want));
+}
+
+// Runs mods_eval for `v` over a grid of points (some outside the lengths) with random captures,
+// params and scores, and compares with the interpreter: masks exactly, score_mod and its
+// derivative within `tol` of the F32 mode (0: bit for bit) and score_mod within 10 tol of the F64
+// oracle, capture gradients within 1e-5 of the summed magnitudes (atomics add in any order).
+void check_on_gpu(const Variant& v, double tol) {
+  constexpr int B = 2, H = 4, q_len = 37, kv_len = 53;
+  constexpr int q0 = -3, nq = q_len + 6, kv0 = -2, nkv = kv_len + 5;
+  const size_t n = static_cast<size_t>(B) * H * nq * nkv;
+  const detail::VariantImpl& impl = v.impl();
+  const Kernel& k = get_kernel(v, mods_eval_spec({}));
+  CHECK(&get_kernel(v, mods_eval_spec({})) == &k);
+
+  FlexcArgs args{};
+  std::vector<std::vector<uint8_t>> host;
+  std::vector<size_t> counts;
+  host.reserve(impl.decls.captures.size());
+  std::vector<DeviceBuffer> data, grads;
+  std::vector<dsl::HostTensor> tensors;
+  for (size_t c = 0; c < impl.decls.captures.size(); ++c) {
+    const dsl::CaptureDecl& d = impl.decls.captures[c];
+    std::vector<int64_t> shape;
+    size_t count = 1;
+    for (const dsl::Dim& dim : d.dims) {
+      shape.push_back(extent(dim, B, H, q_len, kv_len));
+      count *= static_cast<size_t>(shape.back());
+    }
+    counts.push_back(count);
+    host.push_back(random_elements(d.dtype, count));
+    data.push_back(DeviceBuffer::from(std::span<const uint8_t>(host.back())));
+    grads.emplace_back(count * sizeof(float));
+    grads.back().fill(0);
+    args.captures[c].data = data.back().get();
+    args.captures[c].grad = static_cast<float*>(grads.back().get());
+    long long stride = 1;
+    for (size_t dim = 4; dim-- > 0;) {
+      args.captures[c].shape[dim] = dim < shape.size() ? static_cast<int>(shape[dim]) : 1;
+      args.captures[c].stride[dim] = dim < shape.size() ? stride : 0;
+      if (dim < shape.size()) stride *= shape[dim];
+    }
+    tensors.push_back({d.dtype, host.back().data(), shape, {}});
+  }
+  std::vector<double> params(impl.decls.params.size());
+  for (size_t p = 0; p < params.size() && p < FLEXC_MAX_PARAMS; ++p) {
+    if (impl.decls.params[p].is_const) continue;
+    if (impl.decls.params[p].type == dsl::Type::Float) {
+      args.fparam[p] = std::uniform_real_distribution<float>(-3, 3)(rng());
+      params[p] = args.fparam[p];
+    } else {
+      args.iparam[p] = std::uniform_int_distribution<int>(-4, 64)(rng());
+      params[p] = args.iparam[p];
+    }
+  }
+
+  std::vector<float> scores(n);
+  for (size_t i = 0; i < n; ++i)
+    scores[i] = i % 97 == 0 ? -INFINITY : std::uniform_real_distribution<float>(-8, 8)(rng());
+  DeviceBuffer s_in = DeviceBuffer::from(std::span<const float>(scores));
+  DeviceBuffer s_out(n * 4), g_out(n * 4), m_out(n);
+  s_out.fill(0xff);  // poisoned: NaN until written
+  g_out.fill(0xff);
+  m_out.fill(2);
+  int iB = B, iH = H, iq0 = q0, inq = nq, ikv0 = kv0, inkv = nkv, iql = q_len, ikl = kv_len;
+  void* sp = s_in.get();
+  void *so = s_out.get(), *go = g_out.get(), *mo = m_out.get();
+  float grad_score = 0.25f;
+  void* launch_args[] = {&args, &iB,  &iH, &iq0, &inq, &ikv0, &inkv,
+                         &iql,  &ikl, &sp, &so,  &go,  &mo,   &grad_score};
+  k.launch(static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 0, nullptr, launch_args);
+  synchronize_device();
+  const std::vector<float> got_s = s_out.to_vector<float>(n), got_g = g_out.to_vector<float>(n);
+  const std::vector<uint8_t> got_m = m_out.to_vector<uint8_t>(n);
+
+  dsl::Graph dg = impl.score.graph;
+  const dsl::NodeId droot = dsl::derivative_wrt_score(dg, dg.root);
+  dsl::Graph cg = impl.score.graph;
+  const std::vector<dsl::LoadDerivative> loads = dsl::derivatives_wrt_loads(cg, cg.root);
+  std::vector<std::vector<double>> want_grad(tensors.size()), grad_mag(tensors.size());
+  for (size_t c = 0; c < tensors.size(); ++c) {
+    want_grad[c].assign(counts[c], 0.0);
+    grad_mag[c].assign(counts[c], 0.0);
+  }
+  std::vector<dsl::Value> scratch;
+  int bad = 0;
+  for (size_t i = 0; i < n; ++i) {
+    size_t r = i;
+    const int kv = kv0 + static_cast<int>(r % nkv);
+    r /= nkv;
+    const int q = q0 + static_cast<int>(r % nq);
+    r /= nq;
+    const int h = static_cast<int>(r % H), b = static_cast<int>(r / H);
+    dsl::EvalEnv env;
+    env.ints = {0, b, h, q, kv, q_len, kv_len};
+    env.score = scores[i];
+    env.params = params;
+    env.captures = tensors;
+    const bool mask = dsl::evaluate(impl.mask.graph, env, dsl::Precision::F32, scratch).i != 0;
+    const double s32 = dsl::evaluate(impl.score.graph, env, dsl::Precision::F32, scratch).f;
+    const double s64 = dsl::evaluate(impl.score.graph, env, dsl::Precision::F64, scratch).f;
+    const double g32 = dsl::evaluate(dg, droot, env, dsl::Precision::F32, scratch).f;
+    // Against the float64 oracle only where rounding cannot be amplified (tol > 0: catalogue).
+    const bool ok = got_m[i] == (mask ? 1 : 0) && close(got_s[i], s32, tol) &&
+                    close(got_g[i], g32, tol) && (tol == 0 || close(got_s[i], s64, 10 * tol));
+    if (!ok && ++bad <= 10)
+      UNSCOPED_INFO("b=" << b << " h=" << h << " q=" << q << " kv=" << kv << " score=" << scores[i]
+                         << ": mask " << int(got_m[i]) << " want " << mask << "; score_mod "
+                         << got_s[i] << " want " << s32 << " (f64 " << s64 << "); grad " << got_g[i]
+                         << " want " << g32);
+    for (const dsl::LoadDerivative& ld : loads) {
+      const dsl::Node& load = cg[ld.load];
+      const dsl::HostTensor& t = tensors[load.slot];
+      int64_t off = 0;
+      for (int d = 0; d < load.nargs; ++d) {
+        const int64_t idx = dsl::evaluate(cg, load.args[d], env, dsl::Precision::F64, scratch).i;
+        off = off * t.shape[d] + ((idx % t.shape[d]) + t.shape[d]) % t.shape[d];
+      }
+      const double term =
+          grad_score * dsl::evaluate(cg, ld.derivative, env, dsl::Precision::F32, scratch).f;
+      want_grad[load.slot][static_cast<size_t>(off)] += term;
+      grad_mag[load.slot][static_cast<size_t>(off)] += std::abs(term);
+    }
+  }
+  CHECK(bad == 0);
+  for (size_t c = 0; c < tensors.size(); ++c) {
+    if (dsl::dtype_value_type(impl.decls.captures[c].dtype) != dsl::Type::Float) continue;
+    const std::vector<float> got = grads[c].to_vector<float>(counts[c]);
+    int wrong = 0;
+    for (size_t e = 0; e < got.size(); ++e) {
+      const double want = want_grad[c][e];
+      const bool ok = std::isfinite(want) ? std::abs(got[e] - want) <= 1e-5 * grad_mag[c][e] + 1e-6
+                      : std::isnan(want)  ? std::isnan(got[e])
+                                          : got[e] == want;
+      if (!ok && ++wrong <= 5)
+        UNSCOPED_INFO("capture " << impl.decls.captures[c].name << " element " << e << ": grad "
+                                 << got[e] << " want " << want);
+    }
+    CHECK(wrong == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("mods_eval on the GPU matches the interpreter for the whole catalogue", "[gpu]") {
+  if (!gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  for (const std::string& name : Variant::catalogue_names()) {
+    INFO(name);
+    // Transcendental functions differ from the host's by a few ulp (docs/jit.md).
+    check_on_gpu(Variant::from_catalogue(name), 1e-5);
+  }
+}
+
+TEST_CASE("mods_eval on the GPU matches the interpreter bit for bit on random mods", "[gpu]") {
+  if (!gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  detail::VariantImpl base;
+  dsl::Decls& decls = base.decls;
+  decls.captures.push_back({"f", dsl::DType::F32, {{dsl::Dim::H}}});
+  decls.captures.push_back({"h", dsl::DType::F16, {{dsl::Dim::Fixed, 4}, {dsl::Dim::QLen}}});
+  decls.captures.push_back({"bf", dsl::DType::BF16, {{dsl::Dim::KvLen}}});
+  decls.captures.push_back(
+      {"i", dsl::DType::I32, {{dsl::Dim::B}, {dsl::Dim::Fixed, 3}, {dsl::Dim::Fixed, 2}}});
+  decls.captures.push_back(
+      {"m",
+       dsl::DType::Bool,
+       {{dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::H}}});
+  decls.params.push_back({"pf", dsl::Type::Float, 0, false});
+  decls.params.push_back({"pi", dsl::Type::Int, 0, false});
+  // Every operation whose float32 result is exactly defined (CUDA's transcendental functions
+  // are not the host's), so the device must agree bit for bit.
+  dsl::testing::RandomExprOptions sopt;
+  sopt.decls = &decls;
+  sopt.inputs[0] = true;
+  sopt.max_depth = 5;
+  for (int op = 0; op <= static_cast<int>(dsl::Op::ToInt); ++op) {
+    const auto o = static_cast<dsl::Op>(op);
+    if (o != dsl::Op::Exp && o != dsl::Op::Exp2 && o != dsl::Op::Log && o != dsl::Op::Log2 &&
+        o != dsl::Op::Tanh && o != dsl::Op::Sigmoid && o != dsl::Op::Sin && o != dsl::Op::Cos &&
+        o != dsl::Op::Pow)
+      sopt.ops.push_back(o);
+  }
+  dsl::testing::RandomExprOptions mopt = sopt;
+  mopt.inputs[0] = false;
+  const uint64_t seed = rng()();
+  for (int i = 0; i < 20; ++i) {
+    auto vi = std::make_shared<detail::VariantImpl>(base);
+    vi->name = fmt::format("random{}", i);
+    vi->score.graph.root = dsl::testing::RandomExpr(seed + 2 * i, sopt).float_expr(vi->score.graph);
+    vi->mask.kind = dsl::ModKind::Mask;
+    vi->mask.graph.root =
+        dsl::testing::RandomExpr(seed + 2 * i + 1, mopt).bool_expr(vi->mask.graph);
+    vi->score.graph = dsl::simplify(vi->score.graph);
+    vi->mask.graph = dsl::simplify(vi->mask.graph);
+    INFO("score_mod " << dsl::to_text(vi->score.graph, vi->score.graph.root, decls) << "; mask_mod "
+                      << dsl::to_text(vi->mask.graph, vi->mask.graph.root, decls));
+    check_on_gpu(Variant(vi), 0);
+  }
+}
+
+TEST_CASE("DeviceBuffer, Stream and EventTimer work on the device", "[gpu]") {
+  if (!gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  std::vector<int> v(1000);
+  for (int& x : v) x = static_cast<int>(rng()());
+  DeviceBuffer b = DeviceBuffer::from(std::span<const int>(v));
+  CHECK(b.to_vector<int>(v.size()) == v);
+  Stream s;
+  EventTimer t;
+  t.start(s.get());
+  b.fill(0, s.get());
+  t.stop(s.get());
+  s.synchronize();
+  CHECK(t.elapsed_ms() >= 0);
+  CHECK(b.to_vector<int>(v.size()) == std::vector<int>(v.size(), 0));
+  CHECK_THROWS_WITH(b.upload(v.data(), 8000), Catch::Contains("out of range"));
+}

@@ -1,0 +1,158 @@
+// bench_jit: what the JIT costs. For each kernel: a cold NVRTC compile, a warm disk-cache hit
+// (with the module load when a GPU is present), and a memory hit. Runs in a private cache
+// directory, so the figures never depend on what the user's cache holds.
+//
+//   bench_jit [--variant alibi] [--kernel all|mods_eval,...] [--arch sm_90] [--reps 5]
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "../src/jit/jit.h"
+#include "../src/jit/kernels.h"
+#include "flexc/error.h"
+#include "flexc/variant.h"
+
+using namespace flexc;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double thread_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_THREAD, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+}
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+std::string ms(double s) { return fmt::format("{:.3f} ms", s * 1e3); }
+std::string us(double s) { return fmt::format("{:.2f} us", s * 1e6); }
+
+void bench(const std::string& variant, const jit::KnownKernel& k, const jit::KernelConfig& cfg,
+           int reps) {
+  const auto fresh = [&] {
+    return variant.ends_with(".json") ? Variant::from_json_file(variant)
+                                      : Variant::from_catalogue(variant);
+  };
+  const Variant v = fresh();
+  const jit::KernelSpec spec = k.spec(cfg);
+  const bool gpu = jit::gpu_available();
+  fmt::print("{} kernel for '{}' ({}), {} repetitions{}\n", k.name, v.name(),
+             spec.arch.empty() ? "this GPU" : spec.arch, reps, gpu ? "" : ", no GPU");
+
+  // Cold: NVRTC every time. The first compile of the process also pays NVRTC's start-up.
+  std::vector<double> wall, cpu;
+  for (int i = 0; i <= reps; ++i) {
+    const auto t0 = Clock::now();
+    const double c0 = thread_cpu_seconds();
+    jit::compile(v, spec, {.use_cache = false});
+    wall.push_back(since(t0));
+    cpu.push_back(thread_cpu_seconds() - c0);
+  }
+  fmt::print("  cold compile, first in process  {:>12}  (cpu {})\n", ms(wall[0]), ms(cpu[0]));
+  wall.erase(wall.begin());
+  cpu.erase(cpu.begin());
+  fmt::print("  cold compile, median            {:>12}  (cpu {})\n", ms(median(wall)),
+             ms(median(cpu)));
+
+  // Warm disk hit: memory dropped, as in a new process; emit + splice + key + read + check.
+  jit::compile(v, spec);
+  std::vector<double> disk;
+  for (int i = 0; i < reps; ++i) {
+    jit::reset_cache();
+    const auto t0 = Clock::now();
+    const jit::Compiled c = jit::compile(v, spec);
+    disk.push_back(since(t0));
+    if (!c.from_disk) throw Error("bench_jit: expected a disk hit");
+  }
+  fmt::print("  disk hit, compile()             {:>12}\n", ms(median(disk)));
+
+  // The same through get_kernel, with the module load: a new Variant object each time so that
+  // nothing in memory can answer.
+  if (gpu) {
+    std::vector<double> load;
+    for (int i = 0; i < reps; ++i) {
+      const Variant w = fresh();
+      jit::reset_cache();
+      const auto t0 = Clock::now();
+      jit::get_kernel(w, spec);
+      load.push_back(since(t0));
+    }
+    fmt::print("  disk hit + module load          {:>12}\n", ms(median(load)));
+  } else {
+    fmt::print("  disk hit + module load          {:>12}\n", "n/a");
+  }
+
+  constexpr int kHits = 2000;
+  auto t0 = Clock::now();
+  for (int i = 0; i < kHits; ++i) jit::compile(v, spec);
+  fmt::print("  memory hit, compile()           {:>12}  (copies the cubin and the .cu)\n",
+             us(since(t0) / kHits));
+  if (gpu) {
+    jit::get_kernel(v, spec);
+    t0 = Clock::now();
+    for (int i = 0; i < kHits; ++i) jit::get_kernel(v, spec);
+    fmt::print("  memory hit, get_kernel()        {:>12}\n", us(since(t0) / kHits));
+  } else {
+    fmt::print("  memory hit, get_kernel()        {:>12}\n", "n/a");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_jit: cold compile, disk hit and memory hit of flexc's JIT"};
+  std::string variant = "alibi", kernels = "all", arch, dtype = "bf16";
+  int head_dim = 128, reps = 5;
+  app.add_option("--variant", variant, "catalogue name or JSON file")->capture_default_str();
+  app.add_option("--kernel", kernels, "comma-separated kernels, or all")->capture_default_str();
+  app.add_option("--arch", arch, "target (default: the GPU's, else sm_90)");
+  app.add_option("--dtype", dtype, "bf16 or fp16")->capture_default_str();
+  app.add_option("--head-dim", head_dim, "head dimension")->capture_default_str();
+  app.add_option("--reps", reps, "repetitions per figure")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / fmt::format("flexc_bench_jit_{}", getpid());
+  setenv("FLEXC_CACHE_DIR", dir.c_str(), 1);
+  unsetenv("FLEXC_DISABLE_DISK_CACHE");
+  try {
+    if (arch.empty() && !jit::gpu_available()) arch = "sm_90";
+    const jit::KernelConfig cfg{arch, dtype, head_dim};
+    std::vector<const jit::KnownKernel*> list;
+    if (kernels == "all")
+      for (const jit::KnownKernel& k : jit::known_kernels()) list.push_back(&k);
+    else
+      for (size_t start = 0; start <= kernels.size();) {
+        const size_t comma = std::min(kernels.find(',', start), kernels.size());
+        list.push_back(&jit::find_kernel(kernels.substr(start, comma - start)));
+        start = comma + 1;
+      }
+    for (const jit::KnownKernel* k : list) bench(variant, *k, cfg, reps);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_jit: error: %s\n", e.what());
+    std::filesystem::remove_all(dir);
+    return 1;
+  }
+  std::filesystem::remove_all(dir);
+  return 0;
+}

@@ -1,0 +1,77 @@
+// `flexc cache dir|list|stats|clear`: the JIT's disk cache of compiled kernels.
+#include "../../src/jit/cache.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "cli/command.h"
+
+namespace flexc::cli {
+namespace {
+
+std::string human_bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
+}
+
+std::string age(std::filesystem::file_time_type t) {
+  const auto s = std::chrono::duration_cast<std::chrono::seconds>(
+                     std::filesystem::file_time_type::clock::now() - t)
+                     .count();
+  if (s < 120) return fmt::format("{} s ago", s);
+  if (s < 7200) return fmt::format("{} min ago", s / 60);
+  if (s < 172800) return fmt::format("{} h ago", s / 3600);
+  return fmt::format("{} days ago", s / 86400);
+}
+
+void run(const std::string& what) {
+  const jit::DiskCache cache(jit::CacheSettings::from_env());
+  const jit::CacheSettings& s = cache.settings();
+  const std::string off = cache.enabled() ? "" : " (disk cache disabled)";
+  if (what == "dir") {
+    fmt::print("{}{}\n", s.dir.string(), off);
+  } else if (what == "list") {
+    for (const jit::DiskCache::Item& it : cache.list())
+      fmt::print("{}  {:>10}  {:>14}  {}\n", it.key.substr(0, 16), human_bytes(it.bytes),
+                 age(it.last_used),
+                 it.description.empty() ? "(unreadable: dropped on next use)" : it.description);
+  } else if (what == "stats") {
+    const size_t n = cache.list().size();
+    const uint64_t bytes = cache.total_bytes();
+    fmt::print(
+        "directory: {}{}\nentries:   {}\nsize:      {} of {} ({:.1f}%)\n", s.dir.string(), off, n,
+        human_bytes(bytes), human_bytes(s.max_bytes),
+        s.max_bytes ? 100.0 * static_cast<double>(bytes) / static_cast<double>(s.max_bytes) : 0.0);
+  } else {
+    const size_t n = cache.clear();
+    fmt::print("removed {} entr{} from {}{}\n", n, n == 1 ? "y" : "ies", s.dir.string(), off);
+  }
+}
+
+const Register reg{
+    "cache", [](CLI::App& app) {
+      CLI::App* c = app.add_subcommand(
+          "cache",
+          "The cache of compiled kernels: FLEXC_CACHE_DIR, else $XDG_CACHE_HOME/flexc or "
+          "~/.cache/flexc; FLEXC_CACHE_MAX_BYTES, FLEXC_DISABLE_DISK_CACHE=1");
+      c->require_subcommand(1);
+      const std::pair<const char*, const char*> subs[] = {
+          {"dir", "print the cache directory"},
+          {"list", "list the cached kernels, most recently used first"},
+          {"stats", "print the number of entries, their size and the limit"},
+          {"clear", "remove every cached kernel"}};
+      for (const auto& [name, help] : subs) {
+        const std::string what = name;
+        c->add_subcommand(name, help)->callback([what] { run(what); });
+      }
+    }};
+
+}  // namespace
+}  // namespace flexc::cli

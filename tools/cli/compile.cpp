@@ -1,0 +1,148 @@
+// `flexc compile CONFIG.json`: generates a variant's kernels with NVRTC, without needing a GPU,
+// through the same cache as the library; optionally writes the spliced .cu, the PTX and the cubin.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../../src/jit/jit.h"
+#include "../../src/jit/kernels.h"
+#include "cli/command.h"
+#include "flexc/error.h"
+#include "flexc/variant.h"
+
+namespace flexc::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Options {
+  std::string config, arch, dtype = "bf16", kernels = "all", out_dir, emit;
+  int head_dim = 128;
+  bool timings = false;
+};
+
+// `@name` is a catalogue entry, anything else a JSON file.
+Variant load_variant(const std::string& config) {
+  if (config.starts_with("@")) return Variant::from_catalogue(config.substr(1));
+  return Variant::from_json_file(config);
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = std::min(s.find(',', start), s.size());
+    if (comma > start) out.push_back(s.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+// File names from a variant name: keep them to a portable character set.
+std::string file_stem(std::string_view name) {
+  std::string s;
+  for (char c : name)
+    s += std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ? c : '_';
+  return s;
+}
+
+void write_file(const fs::path& p, const std::string& data) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f.write(data.data(), static_cast<std::streamsize>(data.size()));
+  if (!f.good()) throw Error(fmt::format("cannot write {}", p.string()));
+}
+
+void run(const Options& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Variant v = load_variant(o.config);
+  if (o.dtype != "bf16" && o.dtype != "fp16")
+    throw Error(fmt::format("--dtype must be bf16 or fp16, not '{}'", o.dtype));
+  if (o.arch.empty() && !jit::gpu_available())
+    throw Error(
+        "no GPU here to take the architecture from: name it with --arch (e.g. --arch sm_90)");
+
+  std::vector<const jit::KnownKernel*> kernels;
+  if (o.kernels == "all")
+    for (const jit::KnownKernel& k : jit::known_kernels()) kernels.push_back(&k);
+  else
+    for (const std::string& name : split(o.kernels)) kernels.push_back(&jit::find_kernel(name));
+  const jit::KernelConfig cfg{o.arch, o.dtype, o.head_dim};
+  std::vector<jit::KernelSpec> specs;
+  for (const jit::KnownKernel* k : kernels) specs.push_back(k->spec(cfg));
+
+  bool want_cu = false, want_ptx = false, want_cubin = false;
+  for (const std::string& e : split(o.emit)) {
+    if (e == "cu")
+      want_cu = true;
+    else if (e == "ptx")
+      want_ptx = true;
+    else if (e == "cubin")
+      want_cubin = true;
+    else
+      throw Error(fmt::format("--emit takes cu, ptx and cubin, not '{}'", e));
+  }
+  if (!o.out_dir.empty() && o.emit.empty()) want_cubin = true;
+  const fs::path dir = o.out_dir.empty() ? fs::path(".") : fs::path(o.out_dir);
+  if (want_cu || want_ptx || want_cubin) fs::create_directories(dir);
+
+  const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t i = 0; i < out.size(); ++i) {
+    const jit::Compiled& c = out[i];
+    const std::string how = c.from_disk ? "disk cache" : c.from_cache ? "memory cache" : "compiled";
+    std::string line =
+        fmt::format("{}: {} ({}): {}, key {}, cubin {} bytes, ptx {} bytes", v.name(),
+                    kernels[i]->name, specs[i].arch.empty() ? "this GPU" : specs[i].arch, how,
+                    c.key.substr(0, 16), c.cubin.size(), c.ptx.size());
+    if (o.timings && !c.from_cache) line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
+    fmt::print("{}\n", line);
+    const std::string stem = fmt::format("{}.{}.{}", file_stem(v.name()), kernels[i]->name,
+                                         specs[i].arch.empty() ? "gpu" : specs[i].arch);
+    if (want_cu) write_file(dir / (stem + ".cu"), c.source);
+    if (want_ptx) write_file(dir / (stem + ".ptx"), c.ptx);
+    if (want_cubin) {
+      if (c.cubin.empty())
+        throw Error(fmt::format("{} has no cubin: '{}' is a virtual architecture (use --emit ptx)",
+                                stem, specs[i].arch));
+      write_file(dir / (stem + ".cubin"), c.cubin);
+    }
+  }
+  if (o.timings) fmt::print("total {:.3f} s\n", total);
+}
+
+const Register reg{
+    "compile", [](CLI::App& app) {
+      auto o = std::make_shared<Options>();
+      CLI::App* c = app.add_subcommand(
+          "compile", "Generate a variant's kernels with NVRTC (no GPU needed; uses the JIT cache)");
+      c->add_option("config", o->config, "variant config (JSON file, or @name from the catalogue)")
+          ->required();
+      c->add_option("--arch", o->arch,
+                    "target: sm_80, sm_86, sm_89, sm_90, sm_90a, compute_90, ... "
+                    "(default: this machine's GPU)");
+      c->add_option("--dtype", o->dtype, "attention input type: bf16 or fp16")
+          ->capture_default_str();
+      c->add_option("--head-dim", o->head_dim, "attention head dimension")->capture_default_str();
+      std::string names;
+      for (const jit::KnownKernel& k : jit::known_kernels())
+        names += fmt::format("\n  {}: {}", k.name, k.description);
+      c->add_option("--kernel", o->kernels, "comma-separated kernels, or all:" + names)
+          ->capture_default_str();
+      c->add_option("-o,--out", o->out_dir, "directory for the files --emit asks for (default: .)");
+      c->add_option("--emit", o->emit,
+                    "what to write, comma-separated: cu, ptx, cubin (with -o "
+                    "alone: cubin)");
+      c->add_flag("--timings", o->timings, "print NVRTC and total times");
+      c->callback([o] { run(*o); });
+    }};
+
+}  // namespace
+}  // namespace flexc::cli
