@@ -1,0 +1,49 @@
+// flexc::attention: the forward pass of any variant as one fused, block-sparse GPU kernel.
+//
+//   flexc::attention(q, k, v, out, variant,
+//                    {.block_mask = &bm, .captures = {{"slope", slopes}}, .params = {{"window", 512}},
+//                     .scale = 0.125, .lse = lse, .stream = stream});
+//
+// Shapes: q and out [B, Hq, Q_LEN, D], k and v [B, Hkv, KV_LEN, D], bf16 or fp16 (all four the
+// same), D in {32, 64, 96, 128, 256}, Hq % Hkv == 0 (GQA / MQA). Any B / H / sequence strides;
+// the head dim must be contiguous and every row 16-byte aligned. See docs/attention.md.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include "flexc/blockmask.h"
+#include "flexc/tensor.h"
+#include "flexc/variant.h"
+
+struct CUstream_st;
+
+namespace flexc {
+
+struct AttentionOptions {
+  // The tiles to compute, from create_block_mask of the same variant (same lengths; nb / nh 1 or
+  // B / Hq; tile sizes multiples of the kernel's, which the default 128 x 128 is). Without one
+  // every tile is computed, with mask_mod on each element unless the mask is `true`.
+  const BlockMask* block_mask = nullptr;
+  // Device tensors for the variant's captures, by name, in their declared dtype and dims (B and H
+  // resolve to the batch and the number of query heads).
+  std::map<std::string, TensorView, std::less<>> captures;
+  // Runtime params by name; those left out take their declared defaults. Changing a value never
+  // recompiles.
+  std::map<std::string, double, std::less<>> params;
+  // Softmax scale applied to q.k before score_mod; default 1 / sqrt(D). Must be > 0.
+  std::optional<double> scale;
+  // When set: float32 [B, Hq, Q_LEN], contiguous, receives the log-sum-exp of each row's scores
+  // (natural log; -inf for a row with no unmasked element, whose output is 0).
+  std::optional<TensorView> lse;
+  CUstream_st* stream = nullptr;  // the caller's stream; nullptr: the legacy default stream
+};
+
+// Enqueues the kernel on opts.stream (compiling it on first use: later calls with the same
+// variant, dtype and head dim hit the JIT cache, whatever the lengths, params or captures).
+// Throws flexc::Error naming the argument on invalid input; no work is enqueued then.
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const Variant& variant, const AttentionOptions& opts = {});
+
+}  // namespace flexc

@@ -1,0 +1,44 @@
+// flexc::TensorView: a strided view of memory flexc reads or writes (device memory for kernels,
+// host memory for the CPU reference and .npy files). It owns nothing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace flexc {
+
+// Element types, named as variant configs name them ("bf16", "fp16", "float32", "int32",
+// "bool"; bool is one byte, nonzero = true).
+enum class DType : uint8_t { BF16, F16, F32, I32, Bool };
+
+std::string_view dtype_name(DType d);
+size_t dtype_size(DType d);
+// Throws flexc::Error naming the accepted names.
+DType parse_dtype(std::string_view name);
+
+// 16-bit floats as raw bits, rounded to nearest even (NaN stays NaN).
+uint16_t float_to_bf16(float f);
+float bf16_to_float(uint16_t h);
+uint16_t float_to_fp16(float f);
+float fp16_to_float(uint16_t h);
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::F32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // in elements, one per dim; empty: contiguous (row-major)
+
+  // A contiguous view; `data` may point at const memory the callee only reads.
+  static TensorView contiguous(const void* data, DType dtype, std::vector<int64_t> shape);
+
+  size_t rank() const { return shape.size(); }
+  int64_t stride(size_t dim) const;  // resolves empty strides
+  int64_t numel() const;
+  // "bf16 [2, 8, 1024, 128] strides [1048576, 131072, 128, 1]"
+  std::string describe() const;
+};
+
+}  // namespace flexc

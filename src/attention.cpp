@@ -1,0 +1,229 @@
+// flexc::attention: validation, kernel choice, launch. The kernel is templates/attention_fwd.cuh.
+#include "flexc/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fmt/format.h>
+#include <limits>
+#include <mutex>
+#include <unordered_map>
+
+#include "../templates/attention_params.cuh"
+#include "attention_args.h"
+#include "attention_kernel.h"
+#include "flexc/error.h"
+#include "jit/driver_api.h"
+
+#include <cstddef>
+
+// The host fills the struct the kernel receives by value: pin its layout (NVRTC lays plain
+// structs out like g++; a change here must be deliberate).
+static_assert(offsetof(FlexcAttentionParams, q_stride) == 40 &&
+              offsetof(FlexcAttentionParams, batch) == 136 &&
+              offsetof(FlexcAttentionParams, scale_log2) == 160 &&
+              sizeof(FlexcAttentionParams) == 168);
+
+namespace flexc {
+
+namespace detail {
+
+FwdConfig fwd_config(int head_dim) {
+  // 4 warps of 32 query rows each where the registers allow (K / V fragments serve two row
+  // tiles); 16 rows per warp for D = 96 and 256, whose accumulators need the registers. Two
+  // stages: K / V of the next tile load while this one is computed. Measured in docs/perf.md.
+  FwdConfig c{};
+  switch (head_dim) {
+    case 32:
+    case 64:
+    case 128: c = {128, 64, 4, 2, 0}; break;
+    case 96: c = {64, 64, 4, 2, 0}; break;
+    case 256: c = {64, 32, 4, 2, 0}; break;
+    default:
+      throw Error(fmt::format("head dim {} is not supported (32, 64, 96, 128 or 256)", head_dim));
+  }
+  c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n);
+  return c;
+}
+
+}  // namespace detail
+
+namespace jit {
+
+KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
+  const detail::FwdConfig c = detail::fwd_config(cfg.head_dim);
+  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
+    throw Error(fmt::format("attention_fwd: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
+  return {"attention_fwd.cuh",
+          "flexc_attention_fwd",
+          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+           {"FLEXC_WARPS", std::to_string(c.warps)},
+           {"FLEXC_STAGES", std::to_string(c.stages)}},
+          cfg.arch};
+}
+
+}  // namespace jit
+
+namespace {
+
+constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+
+[[noreturn]] void fail(const std::string& msg) { throw Error("flexc::attention: " + msg); }
+
+struct DeviceLimits {
+  int major = 0, minor = 0;
+  size_t max_smem = 0;  // opt-in maximum per block
+};
+
+// The current context's device, queried once per device.
+DeviceLimits device_limits() {
+  const jit::DriverApi& d = jit::driver("querying the GPU for flexc::attention");
+  jit::current_context();
+  CUdevice dev = 0;
+  jit::check(d.cuCtxGetDevice(&dev), "querying the current context's device");
+  static std::mutex mu;
+  static std::unordered_map<int, DeviceLimits> known;
+  std::lock_guard lk(mu);
+  auto it = known.find(static_cast<int>(dev));
+  if (it != known.end()) return it->second;
+  DeviceLimits l;
+  int smem = 0;
+  jit::check(d.cuDeviceGetAttribute(&l.major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+             "querying the GPU's compute capability");
+  jit::check(d.cuDeviceGetAttribute(&l.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+             "querying the GPU's compute capability");
+  jit::check(d.cuDeviceGetAttribute(&smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                                    dev),
+             "querying the GPU's shared memory per block");
+  l.max_smem = static_cast<size_t>(smem);
+  return known.emplace(static_cast<int>(dev), l).first->second;
+}
+
+// [first, last] byte range a view spans.
+std::pair<uintptr_t, uintptr_t> span_of(const TensorView& t) {
+  uintptr_t lo = reinterpret_cast<uintptr_t>(t.data), hi = lo;
+  for (size_t i = 0; i < t.rank(); ++i) hi += (t.shape[i] - 1) * t.stride(i) * dtype_size(t.dtype);
+  return {lo, hi + dtype_size(t.dtype) - 1};
+}
+
+// q / k / v / out: rank 4, the kernels' dtype, contiguous head dim, 16-byte aligned rows.
+void check_qkv(const char* name, const TensorView& t, DType dtype) {
+  if (t.rank() != 4)
+    fail(fmt::format("{} must be [B, H, SEQ, D]; got rank {} ({})", name, t.rank(), t.describe()));
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16)
+    fail(fmt::format("{} is {}; bf16 or fp16 expected", name, dtype_name(t.dtype)));
+  if (t.dtype != dtype)
+    fail(fmt::format("{} is {} but q is {}; all four must have one dtype", name,
+                     dtype_name(t.dtype), dtype_name(dtype)));
+  if (t.data == nullptr) fail(fmt::format("{} has no data", name));
+  if (!t.strides.empty() && t.strides.size() != 4)
+    fail(fmt::format("{}: {} strides for rank 4", name, t.strides.size()));
+  for (size_t i = 0; i < 4; ++i)
+    if (t.shape[i] < 0 || t.stride(i) < 0)
+      fail(fmt::format("{}: negative size or stride ({})", name, t.describe()));
+  if (t.stride(3) != 1)
+    fail(fmt::format("{}: the head dim must be contiguous (stride 1); {}", name, t.describe()));
+  for (size_t i = 0; i < 3; ++i)
+    if (t.stride(i) % 8 != 0)
+      fail(fmt::format("{}: strides must be multiples of 8 elements (16-byte aligned rows); {}",
+                       name, t.describe()));
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    fail(fmt::format("{}: data must be 16-byte aligned", name));
+}
+
+void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len, int64_t kv_len,
+                      const detail::FwdConfig& c) {
+  if (bm.q_len() != q_len || bm.kv_len() != kv_len)
+    fail(fmt::format("block_mask was built for q_len {}, kv_len {}; the call has {}, {}",
+                     bm.q_len(), bm.kv_len(), q_len, kv_len));
+  if (bm.nb() != 1 && bm.nb() != B)
+    fail(fmt::format("block_mask has {} batches; the call has B = {} (1 broadcasts)", bm.nb(), B));
+  if (bm.nh() != 1 && bm.nh() != Hq)
+    fail(fmt::format("block_mask has {} heads; the call has {} query heads (1 broadcasts)",
+                     bm.nh(), Hq));
+  if (bm.q_tile() % c.block_m != 0 || bm.kv_tile() % c.block_n != 0)
+    fail(fmt::format("block_mask tiles {} x {} must be multiples of the kernel's {} x {}",
+                     bm.q_tile(), bm.kv_tile(), c.block_m, c.block_n));
+}
+
+}  // namespace
+
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const Variant& variant, const AttentionOptions& opts) {
+  const DType dtype = q.dtype;
+  check_qkv("q", q, dtype);
+  check_qkv("k", k, dtype);
+  check_qkv("v", v, dtype);
+  check_qkv("out", out, dtype);
+  const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], kv_len = k.shape[2];
+  if (k.shape[0] != B || k.shape[3] != D)
+    fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
+                     k.describe()));
+  if (v.shape != k.shape) fail(fmt::format("v must have k's shape; k {}, v {}", k.describe(), v.describe()));
+  if (out.shape != q.shape)
+    fail(fmt::format("out must have q's shape; q {}, out {}", q.describe(), out.describe()));
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
+    fail(fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
+  if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
+  if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
+    fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
+  for (const TensorView* in : {&k, &v}) {
+    const auto [lo, hi] = span_of(*in);
+    const auto [olo, ohi] = span_of(out);
+    if (q_len > 0 && in->numel() > 0 && olo <= hi && lo <= ohi)
+      fail(fmt::format("out overlaps {}", in == &k ? "k" : "v"));
+  }
+  const detail::FwdConfig cfg = detail::fwd_config(static_cast<int>(D));
+  const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+  if (!(std::isfinite(scale) && scale > 0))
+    fail(fmt::format("scale must be finite and > 0; got {}", scale));
+  if (opts.lse) {
+    const TensorView& l = *opts.lse;
+    if (l.dtype != DType::F32 || l.shape != std::vector<int64_t>{B, Hq, q_len} ||
+        (!l.strides.empty() && l.strides != std::vector<int64_t>{Hq * q_len, q_len, 1}) ||
+        l.data == nullptr || reinterpret_cast<uintptr_t>(l.data) % 4 != 0)
+      fail(fmt::format("lse must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}", B,
+                       Hq, q_len, l.describe()));
+  }
+  if (opts.block_mask) check_block_mask(*opts.block_mask, B, Hq, q_len, kv_len, cfg);
+
+  const detail::VariantImpl& impl = variant.impl();
+  const std::string what = fmt::format("flexc::attention for '{}'", impl.name);
+  const std::vector<double> params = detail::resolve_params(impl, opts.params, what);
+  const auto captures =
+      detail::resolve_captures(impl, opts.captures, {B, Hq, q_len, kv_len}, what);
+  if (q_len == 0) return;
+
+  const DeviceLimits dev = device_limits();
+  if (dev.major < 8)
+    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
+                     dev.major, dev.minor));
+  if (cfg.smem_bytes > dev.max_smem)
+    fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
+                     D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
+
+  const jit::Kernel& kernel = jit::get_kernel(
+      variant, jit::attention_fwd_spec({"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)}));
+  FlexcAttentionParams p{};
+  p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;
+  p.lse = opts.lse ? static_cast<float*>(opts.lse->data) : nullptr;
+  for (int i = 0; i < 3; ++i) {
+    p.q_stride[i] = q.stride(i), p.k_stride[i] = k.stride(i);
+    p.v_stride[i] = v.stride(i), p.o_stride[i] = out.stride(i);
+  }
+  p.batch = int(B), p.q_heads = int(Hq), p.kv_heads = int(Hkv);
+  p.q_len = int(q_len), p.kv_len = int(kv_len);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  FlexcArgs args = detail::kernel_args(impl, params, captures);
+  FlexcBlockMask bm{};
+  if (opts.block_mask) bm = opts.block_mask->device_view(opts.stream);
+  void* argv[] = {&p, &args, &bm};
+  kernel.launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),
+                unsigned(cfg.threads()), cfg.smem_bytes, opts.stream, argv);
+}
+
+}  // namespace flexc

@@ -1,0 +1,23 @@
+// Runtime arguments of the attention kernels, shared verbatim by the kernel templates and the
+// host (src/attention.cpp includes this file), so the layout cannot drift. Plain C++ only.
+//
+// Tensors are [batch, heads, seq, head_dim] with any batch / head / seq strides (in elements) and
+// a contiguous head_dim; rows start 16-byte aligned. LSE is fp32 [batch, q_heads, q_len],
+// contiguous, natural log.
+#pragma once
+
+struct FlexcAttentionParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;  // may be null
+  long long q_stride[3];  // batch, head, seq
+  long long k_stride[3];
+  long long v_stride[3];
+  long long o_stride[3];
+  int batch, q_heads, kv_heads;  // q_heads % kv_heads == 0
+  int q_len, kv_len;
+  float scale;       // softmax scale: score_mod sees scale * q.k
+  float scale_log2;  // scale * log2(e), for identity score_mods
+};

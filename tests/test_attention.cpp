@@ -1,0 +1,643 @@
+// Forward attention: the CPU reference and tolerance rule, .npy files, argument validation and the
+// kernel's configurations (CI), and the kernel against the reference on the GPU ([gpu]).
+#include <algorithm>
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <random>
+#include <ranges>
+
+#include "attention_kernel.h"
+#include "flexc/attention.h"
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/npy.h"
+#include "flexc/reference.h"
+#include "flexc/variant.h"
+#include "jit/driver.h"
+#include "jit/jit.h"
+
+using namespace flexc;
+using Catch::Matchers::Contains;
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+std::mt19937_64& rng() {
+  static std::mt19937_64 r = [] {
+    const uint64_t seed = std::random_device{}();
+    WARN("test_attention random seed: " << seed);
+    return std::mt19937_64(seed);
+  }();
+  return r;
+}
+
+float round16(DType d, float x) {
+  return d == DType::BF16 ? bf16_to_float(float_to_bf16(x)) : fp16_to_float(float_to_fp16(x));
+}
+
+std::vector<float> normal(size_t n, DType d, float sd = 1.f) {
+  std::normal_distribution<float> nd(0.f, sd);
+  std::vector<float> v(n);
+  for (float& x : v) x = round16(d, nd(rng()));
+  return v;
+}
+
+// A problem on the host: q [B, Hq, Lq, D], k / v [B, Hkv, Lkv, D] with values exact in `dtype`.
+struct Problem {
+  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64;
+  DType dtype = DType::BF16;
+  std::vector<float> q, k, v;
+
+  Problem(int64_t b, int64_t hq, int64_t hkv, int64_t lq, int64_t lkv, int64_t d, DType t)
+      : B(b), Hq(hq), Hkv(hkv), Lq(lq), Lkv(lkv), D(d), dtype(t) {
+    q = normal(B * Hq * Lq * D, t);
+    k = normal(B * Hkv * Lkv * D, t);
+    v = normal(B * Hkv * Lkv * D, t);
+  }
+  ReferenceProblem reference() const {
+    ReferenceProblem p;
+    p.q = q, p.k = k, p.v = v;
+    p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.kv_len = Lkv, p.head_dim = D;
+    p.dtype = dtype;
+    return p;
+  }
+};
+
+// Attention written out directly in float64, independent of the DSL: `score_fn(score, b, h, q,
+// kv)` returns the modded score or -inf where masked.
+template <class ScoreFn>
+void direct_attention(const Problem& p, double scale, ScoreFn score_fn, std::vector<double>& out,
+                      std::vector<double>& lse) {
+  out.assign(p.B * p.Hq * p.Lq * p.D, 0);
+  lse.assign(p.B * p.Hq * p.Lq, -kInf);
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t h = 0; h < p.Hq; ++h)
+      for (int64_t i = 0; i < p.Lq; ++i) {
+        const int64_t row = (b * p.Hq + h) * p.Lq + i, hk = h / (p.Hq / p.Hkv);
+        std::vector<double> s(p.Lkv);
+        double mx = -kInf;
+        for (int64_t j = 0; j < p.Lkv; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < p.D; ++d)
+            dot += double(p.q[row * p.D + d]) * p.k[((b * p.Hkv + hk) * p.Lkv + j) * p.D + d];
+          s[j] = score_fn(dot * scale, b, h, i, j);
+          mx = std::max(mx, s[j]);
+        }
+        if (mx == -kInf) continue;
+        double l = 0;
+        for (int64_t j = 0; j < p.Lkv; ++j) {
+          const double e = std::exp(s[j] - mx);
+          l += e;
+          for (int64_t d = 0; d < p.D; ++d)
+            out[row * p.D + d] += e * p.v[((b * p.Hkv + hk) * p.Lkv + j) * p.D + d];
+        }
+        for (int64_t d = 0; d < p.D; ++d) out[row * p.D + d] /= l;
+        lse[row] = mx + std::log(l);
+      }
+}
+
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] == b[i]) continue;  // equal infinities too
+    m = std::max(m, std::abs(a[i] - b[i]));
+  }
+  return m;
+}
+
+std::vector<float> as_float(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+}  // namespace
+
+// ---- the reference (CI)
+
+TEST_CASE("the reference is float64 attention: GQA, scale, alibi capture, runtime param",
+          "[reference]") {
+  const Problem p(2, 4, 2, 37, 53, 32, DType::BF16);
+  std::vector<float> slope{0.5f, 0.25f, 0.125f, 0.0625f};
+  const Variant alibi = Variant::from_catalogue("alibi");
+  ReferenceProblem rp = p.reference();
+  rp.scale = 0.3;
+  rp.captures["slope"] = TensorView::contiguous(slope.data(), DType::F32, {4});
+  const ReferenceResult r = reference_attention(alibi, rp);
+  std::vector<double> out, lse;
+  direct_attention(p, 0.3, [&](double s, int64_t, int64_t h, int64_t i, int64_t j) {
+    return s + slope[h] * double(j - i);
+  }, out, lse);
+  CHECK(max_abs_diff(r.gold_out, out) < 1e-12);
+  CHECK(max_abs_diff(r.gold_lse, lse) < 1e-12);
+
+  const Variant window = Variant::from_catalogue("sliding_window");
+  ReferenceProblem wp = p.reference();
+  wp.params["window"] = 7;
+  const ReferenceResult w = reference_attention(window, wp);
+  direct_attention(p, 1 / std::sqrt(32.0), [](double s, int64_t, int64_t, int64_t i, int64_t j) {
+    return i >= j && i - j < 7 ? s : -kInf;
+  }, out, lse);
+  CHECK(max_abs_diff(w.gold_out, out) < 1e-12);
+  CHECK(max_abs_diff(w.gold_lse, lse) < 1e-12);
+}
+
+TEST_CASE("the reference gives rows without an unmasked element output 0 and LSE -inf",
+          "[reference]") {
+  // Masked by mask_mod (q % 3 == 0) and by a score_mod that yields -inf (q % 5 == 1).
+  const Variant v = Variant::from_strings("where(q_idx % 5 == 1, -inf, score)", "q_idx % 3 != 0");
+  const Problem p(1, 2, 1, 30, 20, 64, DType::F16);
+  const ReferenceResult r = reference_attention(v, p.reference());
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const int64_t q = r.rows[i] % p.Lq;
+    const bool masked = q % 3 == 0 || q % 5 == 1;
+    INFO("row " << r.rows[i]);
+    CHECK((r.gold_lse[i] == -kInf) == masked);
+    CHECK((r.ref_lse[i] == -kInf) == masked);
+    if (masked)
+      for (int64_t d = 0; d < p.D; ++d) CHECK(r.gold_out[i * p.D + d] == 0);
+  }
+}
+
+TEST_CASE("ref rounds where the kernel rounds; the tolerance rule", "[reference]") {
+  const Variant causal = Variant::from_catalogue("causal");
+  double err[2];
+  for (DType d : {DType::BF16, DType::F16}) {
+    const Problem p(1, 2, 2, 64, 96, 64, d);
+    ReferenceProblem rp = p.reference();
+    rp.rows = {5, 64, 127, 70};
+    const ReferenceResult r = reference_attention(causal, rp);
+    REQUIRE(r.rows == rp.rows);
+    const Accuracy self = check_accuracy(r, as_float(r.ref_out), as_float(r.ref_lse));
+    INFO(self.summary());
+    CHECK(self.pass);
+    CHECK(self.out_ref_rmse > 0);
+    err[d == DType::F16] = self.out_ref_rmse;
+    // Three times ref's error fails; NaN fails; a wrong masked row fails.
+    std::vector<float> worse(r.gold_out.size());
+    for (size_t i = 0; i < worse.size(); ++i)
+      worse[i] = float(r.gold_out[i] + 3 * (r.ref_out[i] - r.gold_out[i]));
+    CHECK_FALSE(check_accuracy(r, worse, {}).pass);
+    std::vector<float> nan = as_float(r.ref_out);
+    nan[7] = std::numeric_limits<float>::quiet_NaN();
+    CHECK(check_accuracy(r, nan, {}).bad == 1);
+    CHECK_FALSE(check_accuracy(r, nan, {}).pass);
+    std::vector<float> lse = as_float(r.ref_lse);
+    lse[2] += 1e-3f;
+    CHECK_FALSE(check_accuracy(r, as_float(r.ref_out), lse).pass);
+  }
+  CHECK(err[1] < err[0]);  // fp16 keeps 3 more mantissa bits than bf16
+
+  const Variant none = Variant::from_strings("score", "q_idx < 0");
+  const Problem p(1, 1, 1, 4, 4, 32, DType::BF16);
+  const ReferenceResult r = reference_attention(none, p.reference());
+  std::vector<float> out(r.gold_out.size(), 0.f), lse(4, -std::numeric_limits<float>::infinity());
+  CHECK(check_accuracy(r, out, lse).pass);
+  CHECK(check_accuracy(r, out, lse).masked_rows == 4);
+  out[3] = 1e-30f;
+  CHECK_FALSE(check_accuracy(r, out, lse).pass);
+}
+
+TEST_CASE("the reference checks its inputs", "[reference]") {
+  const Problem p(1, 2, 2, 8, 8, 32, DType::BF16);
+  ReferenceProblem rp = p.reference();
+  rp.q = std::span<const float>(p.q).first(10);
+  CHECK_THROWS_WITH(reference_attention(Variant::from_catalogue("noop"), rp), Contains("q has 10"));
+  rp = p.reference();
+  CHECK_THROWS_WITH(reference_attention(Variant::from_catalogue("alibi"), rp),
+                    Contains("reads capture 'slope'"));
+  rp.params["windw"] = 3;
+  CHECK_THROWS_WITH(reference_attention(Variant::from_catalogue("sliding_window"), rp),
+                    Contains("did you mean 'window'"));
+  rp = p.reference();
+  rp.rows = {16};
+  CHECK_THROWS_WITH(reference_attention(Variant::from_catalogue("noop"), rp),
+                    Contains("row 16 is out of range"));
+}
+
+// ---- .npy files (CI)
+
+TEST_CASE(".npy files round-trip and bad ones are named", "[npy]") {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("flexc_npy_{}", rng()());
+  fs::create_directories(dir);
+  const std::vector<float> f = normal(2 * 3 * 5 * 7, DType::BF16);
+  npy::write(dir / "a.npy", npy::from_float({2, 3, 5, 7}, f));
+  const npy::Array a = npy::read(dir / "a.npy");
+  CHECK(a.dtype == DType::F32);
+  CHECK(a.shape == std::vector<int64_t>{2, 3, 5, 7});
+  CHECK(a.to_float() == f);
+  // 1-d and 0-d shapes, int32, fp16 and bool.
+  npy::Array i{DType::I32, {4}, std::vector<std::byte>(16)};
+  const int32_t iv[4] = {-7, 0, 1 << 30, 3};
+  std::memcpy(i.bytes.data(), iv, 16);
+  npy::write(dir / "i.npy", i);
+  CHECK(npy::read(dir / "i.npy").bytes == i.bytes);
+  CHECK(npy::read(dir / "i.npy").shape == std::vector<int64_t>{4});
+  npy::write(dir / "s.npy", npy::from_float({}, std::vector<float>{2.5f}));
+  CHECK(npy::read(dir / "s.npy").to_float() == std::vector<float>{2.5f});
+  const npy::Array h = a.as(DType::F16, "test");
+  npy::write(dir / "h.npy", h);
+  CHECK(npy::read(dir / "h.npy").to_float() == h.to_float());
+  CHECK(npy::read(dir / "h.npy").dtype == DType::F16);
+  CHECK(a.as(DType::BF16, "test").to_float() == f);  // f is exact in bf16
+  CHECK_THROWS_WITH(i.as(DType::F32, "--capture x"), Contains("--capture x: expected float32"));
+  npy::Array bits{DType::Bool, {3}, {std::byte{1}, std::byte{0}, std::byte{1}}};
+  npy::write(dir / "b.npy", bits);
+  CHECK(npy::read(dir / "b.npy").bytes == bits.bytes);
+
+  // Files numpy writes that flexc converts: <f8 -> float32, <i8 -> int32 (checked).
+  auto raw = [&](const char* name, const std::string& header, const std::string& data) {
+    std::string text = header;
+    text.append(63 - (10 + text.size()) % 64, ' ');
+    text += '\n';
+    std::ofstream o(dir / name, std::ios::binary);
+    o.write("\x93NUMPY\x01\x00", 8);
+    const char len[2] = {char(text.size() & 0xff), char(text.size() >> 8)};
+    o.write(len, 2);
+    o << text << data;
+  };
+  double d2[2] = {0.1, -3};
+  raw("d.npy", "{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }",
+      std::string(reinterpret_cast<char*>(d2), 16));
+  CHECK(npy::read(dir / "d.npy").to_float() == std::vector<float>{0.1f, -3.f});
+  int64_t l2[2] = {5, int64_t(1) << 40};
+  raw("l.npy", "{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }",
+      std::string(reinterpret_cast<char*>(l2), 16));
+  CHECK_THROWS_WITH(npy::read(dir / "l.npy"), Contains("does not fit int32"));
+  raw("fo.npy", "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", std::string(16, '\0'));
+  CHECK_THROWS_WITH(npy::read(dir / "fo.npy"), Contains("Fortran-order"));
+  raw("be.npy", "{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", std::string(8, '\0'));
+  CHECK_THROWS_WITH(npy::read(dir / "be.npy"), Contains("dtype '>f4' is not supported"));
+  raw("tr.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }", std::string(20, '\0'));
+  CHECK_THROWS_WITH(npy::read(dir / "tr.npy"), Contains("truncated"));
+  std::ofstream(dir / "junk.npy") << "hello";
+  CHECK_THROWS_WITH(npy::read(dir / "junk.npy"), Contains("junk.npy: not a .npy file"));
+  CHECK_THROWS_WITH(npy::read(dir / "missing.npy"), Contains("cannot open"));
+  CHECK_THROWS_WITH(npy::write(dir / "x.npy", a.as(DType::BF16, "t")), Contains("bf16 cannot"));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("16-bit conversions round to nearest even", "[npy]") {
+  CHECK(float_to_bf16(1.0f) == 0x3f80);
+  CHECK(float_to_bf16(std::bit_cast<float>(0x3f808000u)) == 0x3f80);  // tie: to even
+  CHECK(float_to_bf16(std::bit_cast<float>(0x3f818000u)) == 0x3f82);
+  CHECK(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(float_to_fp16(1.0f) == 0x3c00);
+  CHECK(float_to_fp16(65504.f) == 0x7bff);
+  CHECK(float_to_fp16(65520.f) == 0x7c00);             // rounds to inf
+  CHECK(float_to_fp16(5.9604644775390625e-8f) == 1);  // smallest subnormal
+  CHECK(float_to_fp16(2.98e-8f) == 0);
+  int wrong = 0;  // every finite half round-trips, both signs
+  for (uint32_t h = 0; h < 0x7c00; ++h)
+    wrong += float_to_fp16(fp16_to_float(uint16_t(h))) != h ||
+             float_to_fp16(-fp16_to_float(uint16_t(h))) != (h | 0x8000);
+  CHECK(wrong == 0);
+}
+
+// ---- validation and configuration (CI: everything here fails before any GPU work)
+
+TEST_CASE("flexc::attention names the bad argument", "[attention]") {
+  std::vector<uint16_t> mem(1 << 16);
+  auto t = [&](std::vector<int64_t> shape, DType d = DType::BF16, std::vector<int64_t> st = {}) {
+    return TensorView{mem.data() + 8, d, std::move(shape), std::move(st)};
+  };
+  // Distinct buffers so that `out` overlaps nothing.
+  std::vector<uint16_t> mo(1 << 16), mk(1 << 16);
+  const TensorView q = t({1, 4, 16, 64}), out{mo.data() + 8, DType::BF16, {1, 4, 16, 64}, {}};
+  const TensorView k{mk.data() + 8, DType::BF16, {1, 2, 32, 64}, {}};
+  const Variant noop = Variant::from_catalogue("noop");
+  auto err = [&](const TensorView& q2, const TensorView& k2, const TensorView& o2,
+                 const AttentionOptions& opts = {}, const Variant* v = nullptr) {
+    try {
+      attention(q2, k2, k2, o2, v ? *v : noop, opts);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(err(t({4, 16, 64}), k, out), Contains("q must be [B, H, SEQ, D]; got rank 3"));
+  CHECK_THAT(err(t({1, 4, 16, 64}, DType::F32), k, out), Contains("q is float32; bf16 or fp16"));
+  CHECK_THAT(err(q, TensorView{k.data, DType::F16, k.shape, {}}, out),
+             Contains("k is fp16 but q is bf16"));
+  CHECK_THAT(err(q, TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}}, out),
+             Contains("k must be [B, Hkv, KV_LEN, D] = [1, *, *, 64]"));
+  CHECK_THAT(err(q, TensorView{k.data, k.dtype, {1, 3, 32, 64}, {}}, out),
+             Contains("Hq % Hkv == 0"));
+  CHECK_THAT(err(t({1, 4, 16, 48}), TensorView{k.data, k.dtype, {1, 2, 32, 48}, {}},
+                 TensorView{out.data, out.dtype, {1, 4, 16, 48}, {}}),
+             Contains("head dim 48 is not supported"));
+  CHECK_THAT(err(t({1, 4, 16, 64}, DType::BF16, {4096, 1024, 1, 16}), k, out),
+             Contains("q: the head dim must be contiguous"));
+  CHECK_THAT(err(t({1, 4, 16, 64}, DType::BF16, {4100, 1025, 68, 1}), k, out),
+             Contains("multiples of 8 elements"));
+  CHECK_THAT(err(TensorView{mem.data() + 1, DType::BF16, {1, 4, 16, 64}, {}}, k, out),
+             Contains("q: data must be 16-byte aligned"));
+  CHECK_THAT(err(q, k, TensorView{out.data, out.dtype, {1, 4, 17, 64}, {}}),
+             Contains("out must have q's shape"));
+  CHECK_THAT(err(q, k, TensorView{k.data, k.dtype, q.shape, {}}), Contains("out overlaps k"));
+  std::vector<float> lse_mem(64);
+  AttentionOptions o;
+  o.lse = TensorView{lse_mem.data(), DType::F32, {1, 4, 15}, {}};
+  CHECK_THAT(err(q, k, out, o), Contains("lse must be contiguous float32 [B, Hq, Q_LEN] = [1, 4, 16]"));
+  o = {};
+  o.scale = -1;
+  CHECK_THAT(err(q, k, out, o), Contains("scale must be finite and > 0"));
+  o = {};
+  o.params["widow"] = 3;
+  const Variant window = Variant::from_catalogue("sliding_window");
+  CHECK_THAT(err(q, k, out, o, &window), Contains("no param 'widow' (did you mean 'window'?)"));
+  o = {};
+  o.params["window"] = 2.5;
+  CHECK_THAT(err(q, k, out, o, &window), Contains("param 'window' is an int32; got 2.5"));
+  const Variant alibi = Variant::from_catalogue("alibi");
+  CHECK_THAT(err(q, k, out, {}, &alibi), Contains("'alibi' reads capture 'slope'"));
+  std::vector<float> slope(4);
+  o = {};
+  o.captures["slope"] = TensorView::contiguous(slope.data(), DType::F32, {2});
+  CHECK_THAT(err(q, k, out, o, &alibi),
+             Contains("capture 'slope' has shape [2]; its declaration [H] needs [4]"));
+  o.captures["slope"] = TensorView::contiguous(slope.data(), DType::BF16, {4});
+  CHECK_THAT(err(q, k, out, o, &alibi), Contains("capture 'slope' is bf16; its declaration says float32"));
+  o.captures.clear();
+  o.captures["slop"] = TensorView::contiguous(slope.data(), DType::F32, {4});
+  CHECK_THAT(err(q, k, out, o, &alibi), Contains("no capture 'slop' (did you mean 'slope'?)"));
+
+  // BlockMasks: lengths, broadcast sizes, tile sizes the kernel can split.
+  const std::vector<int32_t> one{1}, zero{0};
+  o = {};
+  const BlockMask wrong_len = BlockMask::from_kv_blocks(1, 1, 16, 33, 128, 128, one, zero);
+  o.block_mask = &wrong_len;
+  CHECK_THAT(err(q, k, out, o), Contains("block_mask was built for q_len 16, kv_len 33"));
+  const std::vector<int32_t> ones3{1, 1, 1}, zeros3{0, 0, 0};
+  const BlockMask three = BlockMask::from_kv_blocks(1, 3, 16, 32, 128, 128, ones3, zeros3);
+  o.block_mask = &three;
+  CHECK_THAT(err(q, k, out, o), Contains("block_mask has 3 heads; the call has 4 query heads"));
+  const BlockMask small = BlockMask::from_kv_blocks(1, 1, 16, 32, 64, 128, one, zero);
+  o.block_mask = &small;
+  CHECK_THAT(err(q, k, out, o), Contains("block_mask tiles 64 x 128 must be multiples of the kernel's 128 x 64"));
+}
+
+TEST_CASE("the forward kernel has a configuration per head dim and compiles for each",
+          "[attention]") {
+  for (int d : {32, 64, 96, 128, 256}) {
+    const detail::FwdConfig c = detail::fwd_config(d);
+    INFO("D " << d);
+    CHECK(c.block_m % (16 * c.warps) == 0);
+    CHECK(c.block_n % 16 == 0);
+    CHECK(c.smem_bytes <= 163 * 1024);  // fits an A100's opt-in shared memory (sm_80)
+    CHECK(128 % c.block_m == 0);        // the default BlockMask tile splits into kernel tiles
+    CHECK(128 % c.block_n == 0);
+  }
+  CHECK_THROWS_WITH(detail::fwd_config(80), Contains("head dim 80 is not supported"));
+  CHECK_THROWS_WITH(jit::attention_fwd_spec({"sm_90", "fp32", 64}), Contains("dtype 'fp32'"));
+  // NVRTC, no GPU needed: every head dim and dtype for sm_80, with a variant that uses every hook.
+  const Variant v = Variant::from_strings("score + 0.5 * bias[h % 2]", "q_idx >= kv_idx",
+                                          {{"bias", "float32", {"2"}}});
+  std::vector<jit::KernelSpec> specs;
+  for (const char* dtype : {"bf16", "fp16"})
+    for (int d : {32, 64, 96, 128, 256}) specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, d}));
+  const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
+  for (size_t i = 0; i < out.size(); ++i) {
+    INFO(fmt::format("{}", fmt::join(specs[i].defines | std::views::transform([](auto& p) {
+                                       return p.first + "=" + p.second;
+                                     }),
+                                     " ")));
+    CHECK(out[i].cubin.size() > 0);
+    CHECK(out[i].ptx.find("mma.sync.aligned.m16n8k16") != std::string::npos);
+    CHECK(out[i].ptx.find("cp.async") != std::string::npos);
+  }
+}
+
+// ---- the kernel against the reference ([gpu])
+
+namespace {
+
+// Random contents for a declared capture: small ints (so that masks comparing them are true and
+// false), normal floats, random bools.
+npy::Array random_capture(const CaptureSpec& c, int64_t B, int64_t H, int64_t Lq, int64_t Lkv) {
+  npy::Array a;
+  a.dtype = parse_dtype(c.dtype);
+  for (const std::string& d : c.dims)
+    a.shape.push_back(d == "B" ? B : d == "H" ? H : d == "Q_LEN" ? Lq : d == "KV_LEN" ? Lkv
+                                                                          : std::stoll(d));
+  const int64_t n = a.numel();
+  a.bytes.resize(n * dtype_size(a.dtype));
+  std::uniform_int_distribution<int32_t> small(0, 3);
+  std::normal_distribution<float> nd(0.f, 0.5f);
+  for (int64_t i = 0; i < n; ++i) {
+    std::byte* at = a.bytes.data() + i * dtype_size(a.dtype);
+    if (a.dtype == DType::I32) {
+      const int32_t x = small(rng());
+      std::memcpy(at, &x, 4);
+    } else if (a.dtype == DType::F32) {
+      const float x = nd(rng());
+      std::memcpy(at, &x, 4);
+    } else if (a.dtype == DType::Bool) {
+      *at = std::byte(small(rng()) & 1);
+    } else {
+      const uint16_t x = a.dtype == DType::BF16 ? float_to_bf16(nd(rng())) : float_to_fp16(nd(rng()));
+      std::memcpy(at, &x, 2);
+    }
+  }
+  return a;
+}
+
+struct GpuCase {
+  DType dtype = DType::BF16;
+  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64;
+  bool bshd = false;        // device layout [B, S, H, D] instead of [B, H, S, D]
+  int64_t pad = 0;          // extra elements per sequence step in the device layout
+  bool block_mask = true;   // build one (when the mask is not `true`)
+  std::map<std::string, double, std::less<>> params;
+
+  std::string describe() const {
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}", dtype_name(dtype), B,
+                       Hq, Hkv, Lq, Lkv, D, bshd ? " bshd" : "", pad ? " padded" : "",
+                       block_mask ? "" : " dense");
+  }
+  // Device strides of a [B, H, S, D] tensor.
+  std::vector<int64_t> strides(int64_t H, int64_t S) const {
+    if (bshd) return {S * (H * D + pad), D, H * D + pad, 1};
+    return {H * S * (D + pad), S * (D + pad), D + pad, 1};
+  }
+};
+
+// A [B, H, S, D] host tensor (BHSD order) as 16-bit device memory in the case's layout.
+jit::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int64_t H, int64_t S,
+                            TensorView& view) {
+  const std::vector<int64_t> st = c.strides(H, S);
+  std::vector<uint16_t> bits(std::max<int64_t>(c.B * st[0], 8), 0xffff);  // NaN in the gaps
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t d = 0; d < c.D; ++d) {
+          const float v = x[((b * H + h) * S + s) * c.D + d];
+          bits[b * st[0] + h * st[1] + s * st[2] + d] =
+              c.dtype == DType::BF16 ? float_to_bf16(v) : float_to_fp16(v);
+        }
+  jit::DeviceBuffer buf(bits.size() * 2);
+  buf.upload(bits.data(), bits.size() * 2);
+  view = TensorView{buf.get(), c.dtype, {c.B, H, S, c.D}, st};
+  return buf;
+}
+
+// Runs the kernel with poisoned outputs and checks at most `max_rows` random rows (all when
+// fewer) against the reference.
+Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
+  const Problem p(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype);
+  TensorView q, k, vv, out;
+  const jit::DeviceBuffer dq = to_device(c, p.q, c.Hq, c.Lq, q);
+  const jit::DeviceBuffer dk = to_device(c, p.k, c.Hkv, c.Lkv, k);
+  const jit::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, vv);
+  const std::vector<float> poison(c.B * c.Hq * c.Lq * c.D, std::numeric_limits<float>::quiet_NaN());
+  const jit::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, out);
+  jit::DeviceBuffer dlse(std::max<int64_t>(c.B * c.Hq * c.Lq * 4, 16));
+  dlse.fill(0xff);
+
+  AttentionOptions opts;
+  ReferenceProblem ref = p.reference();
+  BlockMaskOptions bmo;
+  std::vector<npy::Array> caps;
+  std::vector<jit::DeviceBuffer> dcaps;
+  caps.reserve(v.captures().size());
+  for (const CaptureSpec& cs : v.captures()) {
+    caps.push_back(random_capture(cs, c.B, c.Hq, c.Lq, c.Lkv));
+    dcaps.emplace_back(std::max<size_t>(caps.back().bytes.size(), 16));
+    dcaps.back().upload(caps.back().bytes.data(), caps.back().bytes.size());
+    opts.captures[cs.name] = TensorView{dcaps.back().get(), caps.back().dtype, caps.back().shape, {}};
+    ref.captures[cs.name] = caps.back().view();
+    bmo.captures[cs.name] = CaptureData{caps.back().bytes.data(), dcaps.back().get(),
+                                        caps.back().shape, {}};
+  }
+  opts.params = ref.params = bmo.params = c.params;
+  opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
+  std::optional<BlockMask> bm;
+  if (c.block_mask && !v.mask_always_true()) {
+    bm = create_block_mask(v, c.B, c.Hq, c.Lq, c.Lkv, bmo);
+    opts.block_mask = &*bm;
+  }
+  attention(q, k, vv, out, v, opts);
+  jit::synchronize_device();
+
+  const std::vector<int64_t> st = c.strides(c.Hq, c.Lq);
+  const std::vector<uint16_t> bits = dout.to_vector<uint16_t>(dout.size() / 2);
+  const std::vector<float> lse = dlse.to_vector<float>(c.B * c.Hq * c.Lq);
+  const int64_t rows = c.B * c.Hq * c.Lq;
+  if (rows > max_rows) {
+    std::uniform_int_distribution<int64_t> pick(0, rows - 1);
+    for (int64_t i = 0; i < max_rows; ++i) ref.rows.push_back(pick(rng()));
+  }
+  const ReferenceResult r = reference_attention(v, ref);
+  std::vector<float> got, got_lse;
+  for (int64_t row : r.rows) {
+    const int64_t b = row / (c.Hq * c.Lq), h = row / c.Lq % c.Hq, s = row % c.Lq;
+    for (int64_t d = 0; d < c.D; ++d) {
+      const uint16_t x = bits[b * st[0] + h * st[1] + s * st[2] + d];
+      got.push_back(c.dtype == DType::BF16 ? bf16_to_float(x) : fp16_to_float(x));
+    }
+    got_lse.push_back(lse[row]);
+  }
+  return check_accuracy(r, got, got_lse);
+}
+
+#define SKIP_WITHOUT_GPU()      \
+  if (!jit::gpu_available()) {  \
+    WARN("no GPU: skipped");    \
+    return;                     \
+  }
+
+}  // namespace
+
+TEST_CASE("every catalogue variant matches the reference: dtypes, head dims, lengths, GQA",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const int64_t lens[] = {1, 17, 127, 128, 129, 1000, 4096};
+  const std::vector<std::string> names = Variant::catalogue_names();
+  REQUIRE(names.size() >= 10);
+  for (size_t vi = 0; vi < names.size(); ++vi) {
+    const Variant v = Variant::from_catalogue(names[vi]);
+    for (size_t i = 0; i < 7; ++i) {
+      GpuCase c;
+      c.dtype = (i + vi) % 2 ? DType::F16 : DType::BF16;
+      c.D = (i / 2 + vi) % 2 ? 128 : 64;
+      c.Lq = lens[i];
+      c.Lkv = lens[(i + vi) % 7];  // equal lengths once per variant, unequal otherwise
+      c.Hkv = 2;
+      c.Hq = i % 2 ? 8 : 2;  // GQA 4 and 1
+      c.B = c.Lq * c.Lkv < 200000 ? 2 : 1;
+      c.bshd = i % 3 == 0;
+      c.block_mask = i % 4 != 1;
+      INFO(names[vi] << ": " << c.describe());
+      const Accuracy a = run_case(v, c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
+  }
+}
+
+TEST_CASE("rows with no unmasked element give 0 and -inf, never NaN", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const Variant v = Variant::from_strings("where(q_idx % 5 == 1, -inf, score)", "q_idx % 3 != 0");
+  for (DType d : {DType::BF16, DType::F16})
+    for (bool bm : {true, false}) {
+      GpuCase c{d, 2, 4, 2, 300, 200, 128, false, 0, bm, {}};
+      INFO(c.describe());
+      const Accuracy a = run_case(v, c, 1 << 20);
+      INFO(a.summary());
+      CHECK(a.pass);
+      CHECK(a.masked_rows > 0);
+    }
+  GpuCase empty{DType::BF16, 1, 2, 2, 50, 0, 64, false, 0, false, {}};  // no keys at all
+  const Accuracy a = run_case(Variant::from_catalogue("noop"), empty);
+  INFO(a.summary());
+  CHECK(a.pass);
+  CHECK(a.masked_rows == 100);
+}
+
+TEST_CASE("params, lengths and capture contents change without recompiling", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const Variant window = Variant::from_catalogue("sliding_window");
+  const Variant alibi = Variant::from_catalogue("alibi");
+  GpuCase w{DType::BF16, 1, 4, 4, 200, 300, 64, false, 0, true, {{"window", 64}}};
+  GpuCase a = w;
+  a.params.clear();
+  REQUIRE(run_case(window, w).pass);  // compiles (or loads) the kernels once
+  REQUIRE(run_case(alibi, a).pass);
+  const uint64_t compiles = jit::cache_counters().compiles;
+  for (int size : {1, 33, 500}) {
+    w.params["window"] = size;
+    for (auto [lq, lkv] : {std::pair{200, 300}, {1000, 1000}, {17, 4096}}) {
+      w.Lq = a.Lq = lq, w.Lkv = a.Lkv = lkv;
+      INFO("window " << size << ": " << w.describe());
+      CHECK(run_case(window, w).pass);
+      CHECK(run_case(alibi, a).pass);  // fresh slopes every call
+    }
+  }
+  CHECK(jit::cache_counters().compiles == compiles);
+}
+
+TEST_CASE("strides, MQA, per-batch masks and the other head dims", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // document_batched reads b: its BlockMask has nb = B.
+  GpuCase c{DType::F16, 3, 6, 1, 257, 300, 64, true, 8, true, {}};
+  for (const char* name : {"document_batched", "t5_bias", "causal_bottom_right"}) {
+    INFO(name << ": " << c.describe());
+    const Accuracy a = run_case(Variant::from_catalogue(name), c);
+    INFO(a.summary());
+    CHECK(a.pass);
+  }
+  for (int64_t d : {32, 96, 256})
+    for (DType t : {DType::BF16, DType::F16})
+      for (const char* name : {"causal", "softcap"}) {
+        GpuCase e{t, 1, 4, 2, 333, 517, d, d == 96, 0, true, {}};
+        INFO(name << ": " << e.describe());
+        const Accuracy a = run_case(Variant::from_catalogue(name), e);
+        INFO(a.summary());
+        CHECK(a.pass);
+      }
+}

@@ -1,0 +1,186 @@
+// bench_attention: forward attention TFLOP/s on the anchors' shapes (../shared/anchors.md):
+// 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for noop and causal; the
+// catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and document (six equal
+// documents) at S = 16k, B = 1, H = 16, D = 128.
+//
+//   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--json]
+//
+// FLOPs = 4 * B * H * S * S * D * density, density = the exact fraction of (q, kv) pairs the mask
+// keeps (tools/bench_peers.py uses the same, so the peers' TFLOP/s compare directly). Time: CUDA
+// events around one call (BlockMask built beforehand, kernel compiled by the warm-ups), median of
+// --reps after 3 warm-ups.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fmt/format.h>
+#include <optional>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "dsl/analysis.h"
+#include "flexc/attention.h"
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/variant.h"
+#include "src/jit/driver.h"
+#include "src/jit/jit.h"
+#include "src/variant_impl.h"
+
+using namespace flexc;
+
+namespace {
+
+constexpr int64_t kTokens = 16384, kHidden = 2048;
+
+struct Case {
+  std::string name;
+  int64_t s, d;
+};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (int64_t d : {64, 128})
+    for (int64_t s : {1024, 4096, 16384})
+      for (const char* name : {"noop", "causal"}) cases.push_back({name, s, d});
+  for (const char* name : {"alibi", "softcap", "sliding_window", "prefix_lm", "document"})
+    cases.push_back({name, 16384, 128});
+  return cases;
+}
+
+// n random 16-bit values of `dtype`, uniform in [-2, 2) (never all zeros), made on all threads.
+std::vector<uint16_t> random_bits(size_t n, DType dtype, uint64_t seed) {
+  std::vector<uint16_t> out(n);
+  const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < nt; ++t)
+    threads.emplace_back([&, t] {
+      std::mt19937 g(static_cast<uint32_t>(seed + t));
+      std::uniform_real_distribution<float> u(-2.f, 2.f);
+      for (size_t i = t; i < n; i += nt)
+        out[i] = dtype == DType::BF16 ? float_to_bf16(u(g)) : float_to_fp16(u(g));
+    });
+  for (auto& th : threads) th.join();
+  return out;
+}
+
+// Exact fraction of (q, kv) pairs the mask keeps, for a mask that reads neither b nor h: full
+// tiles count whole, partial ones element by element (float32, as the kernels decide).
+double density(const Variant& v, const BlockMask& bm, std::span<const dsl::HostTensor> captures) {
+  const dsl::Graph& mask = v.impl().mask.graph;
+  dsl::EvalEnv env;
+  env.captures = captures;
+  std::vector<double> params;  // the defaults: the benchmark sets none
+  for (const dsl::ParamDecl& p : v.impl().decls.params) params.push_back(p.default_value);
+  env.params = params;
+  std::vector<dsl::Value> scratch;
+  const int64_t S = bm.q_len(), T = bm.q_tile(), K = bm.kv_tile();
+  double kept = 0;
+  for (int64_t qt = 0; qt < bm.num_q_tiles(); ++qt)
+    for (int64_t kt = 0; kt < bm.num_kv_tiles(); ++kt) {
+      const int64_t q1 = std::min(S, (qt + 1) * T), k1 = std::min(bm.kv_len(), (kt + 1) * K);
+      const TileKind kind = bm.tile(0, 0, qt, kt);
+      if (kind == TileKind::Full) kept += double(q1 - qt * T) * double(k1 - kt * K);
+      if (kind != TileKind::Partial) continue;
+      for (int64_t q = qt * T; q < q1; ++q)
+        for (int64_t kv = kt * K; kv < k1; ++kv) {
+          env.ints = {0, 0, 0, q, kv, S, bm.kv_len()};
+          kept += dsl::evaluate(mask, env, dsl::Precision::F32, scratch).i != 0;
+        }
+    }
+  return kept / (double(S) * double(bm.kv_len()));
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"flexc forward attention benchmark (TFLOP/s)"};
+  std::vector<std::string> only;
+  int reps = 20;
+  std::string dtype_name_arg = "bf16";
+  bool json = false;
+  app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
+  app.add_option("--reps", reps, "timed repetitions (median reported)")->check(CLI::PositiveNumber);
+  app.add_option("--dtype", dtype_name_arg, "bf16 or fp16")->check(CLI::IsMember({"bf16", "fp16"}));
+  app.add_flag("--json", json, "also print one JSON object per case (for tools/bench_peers.py)");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (!jit::gpu_available()) {
+      std::fprintf(stderr, "bench_attention: no GPU\n");
+      return 1;
+    }
+    const DType dtype = parse_dtype(dtype_name_arg);
+    jit::Stream stream;
+    fmt::print("| case | S | D | B | H | density | ms | TFLOP/s |\n|---|---|---|---|---|---|---|---|\n");
+    for (const Case& c : all_cases()) {
+      if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
+      const int64_t B = kTokens / c.s, H = kHidden / c.d, n = B * H * c.s * c.d;
+      const Variant v = Variant::from_catalogue(c.name);
+      std::vector<uint16_t> host = random_bits(3 * n, dtype, std::random_device{}());
+      jit::DeviceBuffer buf(host.size() * 2);
+      buf.upload(host.data(), host.size() * 2);
+      jit::DeviceBuffer out(n * 2);
+      const auto at = [&](int64_t i) {
+        return TensorView{static_cast<uint16_t*>(buf.get()) + i * n, dtype, {B, H, c.s, c.d}, {}};
+      };
+      AttentionOptions opts;
+      opts.stream = stream.get();
+      BlockMaskOptions bmo;
+      std::vector<float> slope;
+      std::vector<int32_t> doc;
+      std::optional<jit::DeviceBuffer> cap;
+      std::vector<dsl::HostTensor> host_caps;
+      if (c.name == "alibi") {
+        for (int64_t h = 0; h < H; ++h) slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
+        cap.emplace(slope.size() * 4);
+        cap->upload(slope.data(), slope.size() * 4);
+        opts.captures["slope"] = TensorView{cap->get(), DType::F32, {H}, {}};
+      }
+      if (c.name == "document") {  // six documents, boundaries at round(i * S / 6)
+        std::vector<int64_t> starts;
+        for (int i = 1; i < 6; ++i) starts.push_back(std::llround(double(i) * double(c.s) / 6));
+        for (int64_t i = 0; i < c.s; ++i)
+          doc.push_back(int32_t(std::upper_bound(starts.begin(), starts.end(), i) - starts.begin()));
+        cap.emplace(doc.size() * 4);
+        cap->upload(doc.data(), doc.size() * 4);
+        opts.captures["doc"] = TensorView{cap->get(), DType::I32, {c.s}, {}};
+        bmo.captures["doc"] = CaptureData{doc.data(), cap->get(), {c.s}, {}};
+        host_caps.push_back({dsl::DType::I32, doc.data(), {c.s}, {}});
+      }
+      std::optional<BlockMask> bm;
+      double dens = 1;
+      if (!v.mask_always_true()) {
+        bm = create_block_mask(v, B, H, c.s, c.s, bmo, stream.get());
+        opts.block_mask = &*bm;
+        dens = density(v, *bm, host_caps);
+      }
+      std::vector<double> ms;
+      for (int r = 0; r < reps + 3; ++r) {
+        jit::EventTimer t;
+        t.start(stream.get());
+        attention(at(0), at(1), at(2), TensorView{out.get(), dtype, {B, H, c.s, c.d}, {}}, v, opts);
+        t.stop(stream.get());
+        if (r >= 3) ms.push_back(t.elapsed_ms());
+      }
+      const double t = median(ms);
+      const double tflops = 4.0 * double(B * H) * double(c.s) * double(c.s) * double(c.d) * dens / t * 1e-9;
+      fmt::print("| {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, c.s, c.d, B, H,
+                 dens, t, tflops);
+      if (json)
+        fmt::print("{{\"case\": \"{}\", \"s\": {}, \"d\": {}, \"density\": {:.6f}, \"ms\": {:.6f}, "
+                   "\"tflops\": {:.2f}}}\n",
+                   c.name, c.s, c.d, dens, t, tflops);
+      std::fflush(stdout);
+    }
+  } catch (const Error& e) {
+    std::fprintf(stderr, "bench_attention: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

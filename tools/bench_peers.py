@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Forward attention: PyTorch's peers on the shapes of tools/bench_attention, in the same GPU run.
+
+Runs SDPA with the flash backend (FlashAttention-2) and the cuDNN backend, and
+torch.compile(flex_attention), on the anchors' shapes (../shared/anchors.md): 16k tokens per batch,
+H*D = 2048, S = 1k/4k/16k, D = 64/128 for no mask and causal; five variants at S = 16k, B = 1,
+H = 16, D = 128. With --flexc it first runs flexc's benchmark (its --json output) and prints
+flexc / peer ratios per case (> 1: flexc faster).
+
+    python3 tools/bench_peers.py --flexc "build/bench_attention --json"
+
+FLOPs: 4*B*H*S*S*D*density, density = the exact fraction of (q, kv) pairs the mask keeps (the same
+definition as bench_attention), so TFLOP/s compare directly. Timing: CUDA events around single
+calls, warm-up, median of --reps.
+"""
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+TOKENS, HIDDEN = 16384, 2048
+WINDOW, PREFIX, DOCS, CAP = 1024, 2048, 6, 30.0
+
+
+def doc_ids(s, device):
+    # Six documents of (nearly) equal length, boundaries at round(i * S / 6): bench_attention
+    # uses the same split.
+    idx = torch.arange(s, device=device)
+    bounds = torch.tensor([round(i * s / DOCS) for i in range(1, DOCS)], device=device)
+    return torch.bucketize(idx, bounds, right=True).to(torch.int32)
+
+
+def make_case(name, s, h, device):
+    """(score_mod, mask_mod) for flex_attention; None where the case has none."""
+    if name == "noop":
+        return None, None
+    if name == "causal":
+        return None, lambda b, hh, q, kv: q >= kv
+    if name == "alibi":
+        slope = torch.exp2(-8.0 * torch.arange(1, h + 1, device=device) / h)
+        return (lambda sc, b, hh, q, kv: sc + slope[hh] * (kv - q)), None
+    if name == "softcap":
+        return (lambda sc, b, hh, q, kv: CAP * torch.tanh(sc / CAP)), None
+    if name == "sliding_window":
+        return None, lambda b, hh, q, kv: (q >= kv) & (q - kv < WINDOW)
+    if name == "prefix_lm":
+        return None, lambda b, hh, q, kv: (kv < PREFIX) | (q >= kv)
+    if name == "document":
+        doc = doc_ids(s, device)
+        return None, lambda b, hh, q, kv: doc[q] == doc[kv]
+    raise ValueError(name)
+
+
+def density(mask_mod, s, device):
+    if mask_mod is None:
+        return 1.0
+    kept = 0
+    q = torch.arange(s, device=device)
+    for r0 in range(0, s, 2048):  # row blocks keep the boolean grid small
+        qq = q[r0:r0 + 2048, None]
+        kept += int(mask_mod(0, 0, qq, q[None, :]).sum())
+    return kept / (s * s)
+
+
+def time_ms(fn, reps):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def cases():
+    for d in (64, 128):
+        for s in (1024, 4096, 16384):
+            for name in ("noop", "causal"):
+                yield name, s, d
+    for name in ("alibi", "softcap", "sliding_window", "prefix_lm", "document"):
+        yield name, 16384, 128
+
+
+def run_peers(reps, only):
+    device = "cuda"
+    # One compiled kernel per shape and variant: let dynamo keep them all.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.recompile_limit = 256
+    flex = torch.compile(flex_attention, dynamic=False)
+    results = {}
+    for name, s, d in cases():
+        if only and name not in only:
+            continue
+        b, h = TOKENS // s, HIDDEN // d
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+        score_mod, mask_mod = make_case(name, s, h, device)
+        dens = density(mask_mod, s, device)
+        flops = 4.0 * b * h * s * s * d * dens
+        row = {"density": dens}
+        if name in ("noop", "causal"):
+            for backend, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"),
+                                   (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
+                try:
+                    with sdpa_kernel(backend):
+                        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=name == "causal")
+                        row[label] = time_ms(fn, reps)
+                except RuntimeError as e:  # a backend that does not support the shape
+                    print(f"# {label} {name} S={s} D={d}: {str(e).splitlines()[0]}", file=sys.stderr)
+        bm = create_block_mask(mask_mod, None, None, s, s, device=device) if mask_mod else None
+        row["flex"] = time_ms(lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm), reps)
+        row["tflops"] = {k2: flops / t * 1e-9 for k2, t in row.items() if k2 not in ("density",)}
+        results[(name, s, d)] = row
+        print(f"# {name:15s} S={s:5d} D={d:3d} density {dens:.4f} " +
+              " ".join(f"{k2} {t:.1f}" for k2, t in row["tflops"].items()), file=sys.stderr)
+        del q, k, v
+    return results
+
+
+def run_flexc(cmd):
+    out = subprocess.run(shlex.split(cmd), check=True, capture_output=True, text=True).stdout
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            res[(r["case"], r["s"], r["d"])] = r
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flexc", help="command that runs flexc's benchmark with --json output")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
+    args = ap.parse_args()
+    ours = run_flexc(args.flexc) if args.flexc else {}
+    peers = run_peers(args.reps, args.only)
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    hdr = f"{'case':15s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} {'cuDNN':>6s} " \
+          f"{'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
+    print("TFLOP/s; x PEER = flexc / peer (time ratio)")
+    print(hdr)
+    for key, row in peers.items():
+        name, s, d = key
+        tf = row["tflops"]
+        mine = ours.get(key)
+        fmt = lambda x: f"{x:6.1f}" if x is not None and not math.isnan(x) else f"{'-':>6s}"
+        ratio = lambda peer: f"{row[peer] / mine['ms']:.2f}" if mine and peer in row else "-"
+        print(f"{name:15s} {s:5d} {d:3d} {row['density']:6.3f} "
+              f"{fmt(mine['tflops'] if mine else None)} {fmt(tf.get('sdpa_flash'))} "
+              f"{fmt(tf.get('sdpa_cudnn'))} {fmt(tf.get('flex'))} {ratio('sdpa_flash'):>6s} "
+              f"{ratio('sdpa_cudnn'):>7s} {ratio('flex'):>6s}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+// `flexc run CONFIG.json --q q.npy --k k.npy --v v.npy [--capture NAME=FILE.npy] [--param
+// NAME=VALUE] [--dtype bf16|fp16] [--out o.npy] [--lse lse.npy] [--check]`: forward attention of a
+// variant on the GPU, end to end, from and to .npy files (or --random inputs); --check compares
+// with the float64 CPU reference under the tolerance rule (docs/attention.md) and exits 1 on
+// failure.
+#include <algorithm>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <fmt/format.h>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../../src/jit/driver.h"
+#include "../../src/jit/jit.h"
+#include "cli/command.h"
+#include "flexc/attention.h"
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/npy.h"
+#include "flexc/reference.h"
+#include "flexc/variant.h"
+
+namespace flexc::cli {
+namespace {
+
+struct Options {
+  std::string config, q, k, v, out, lse, random, dtype = "bf16";
+  std::map<std::string, std::string> captures, params;
+  std::optional<double> scale;
+  uint64_t seed = std::random_device{}();
+  bool check = false, dense = false;
+  int64_t check_rows = 4096;
+};
+
+// A [B, H, S, D] input on the host: the values the kernel sees (rounded to its dtype) and their
+// 16-bit encoding.
+struct Input {
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+  std::vector<uint16_t> bits;
+};
+
+Input encode(std::vector<int64_t> shape, std::vector<float> values, DType dtype) {
+  Input in{std::move(shape), std::move(values), {}};
+  in.bits.resize(in.values.size());
+  for (size_t i = 0; i < in.values.size(); ++i) {
+    in.bits[i] = dtype == DType::BF16 ? float_to_bf16(in.values[i]) : float_to_fp16(in.values[i]);
+    in.values[i] = dtype == DType::BF16 ? bf16_to_float(in.bits[i]) : fp16_to_float(in.bits[i]);
+  }
+  return in;
+}
+
+Input read_input(const std::string& path, const char* name, DType dtype) {
+  if (path.empty())
+    throw Error(fmt::format("--{} FILE.npy is required (or --random B,HQ,HKV,Q_LEN,KV_LEN,D)", name));
+  const npy::Array a = npy::read(path);
+  if (a.shape.size() != 4)
+    throw Error(fmt::format("--{} {}: expected a [B, H, SEQ, D] array, got rank {}", name, path,
+                            a.shape.size()));
+  return encode(a.shape, a.as(DType::F32, fmt::format("--{} {}", name, path)).to_float(), dtype);
+}
+
+std::vector<int64_t> parse_sizes(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) {
+    size_t used = 0;
+    int64_t x = -1;
+    try {
+      x = std::stoll(item, &used);
+    } catch (const std::exception&) {
+    }
+    if (used != item.size() || x < 1)
+      throw Error(fmt::format("--random '{}': expected six positive integers "
+                              "B,HQ,HKV,Q_LEN,KV_LEN,D",
+                              s));
+    out.push_back(x);
+  }
+  if (out.size() != 6)
+    throw Error(fmt::format("--random '{}': expected B,HQ,HKV,Q_LEN,KV_LEN,D", s));
+  return out;
+}
+
+Input random_input(std::vector<int64_t> shape, std::mt19937_64& rng, DType dtype) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return encode(std::move(shape), std::move(v), dtype);
+}
+
+jit::DeviceBuffer upload(const void* data, size_t bytes) {
+  jit::DeviceBuffer b(std::max<size_t>(bytes, 16));
+  b.upload(data, bytes);
+  return b;
+}
+
+void run(const Options& o) {
+  const Variant variant = Variant::load(o.config);
+  const DType dtype = parse_dtype(o.dtype);
+  if (!jit::gpu_available())
+    throw Error("flexc run needs a GPU (no CUDA driver or device found)");
+
+  std::mt19937_64 rng(o.seed);
+  Input q, k, v;
+  if (!o.random.empty()) {
+    if (!o.q.empty() || !o.k.empty() || !o.v.empty())
+      throw Error("--random generates q, k and v: give it or --q/--k/--v, not both");
+    const auto s = parse_sizes(o.random);
+    q = random_input({s[0], s[1], s[3], s[5]}, rng, dtype);
+    k = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
+    v = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
+  } else {
+    q = read_input(o.q, "q", dtype);
+    k = read_input(o.k, "k", dtype);
+    v = read_input(o.v, "v", dtype);
+  }
+  const int64_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], Lkv = k.shape[2];
+
+  // Captures: host arrays in the declared dtype, and their device copies.
+  std::vector<npy::Array> host_caps;
+  std::vector<jit::DeviceBuffer> dev_caps;
+  host_caps.reserve(o.captures.size());
+  AttentionOptions opts;
+  ReferenceProblem ref;
+  BlockMaskOptions bmo;
+  for (const auto& [name, file] : o.captures) {
+    auto spec = std::find_if(variant.captures().begin(), variant.captures().end(),
+                             [&](const CaptureSpec& c) { return c.name == name; });
+    if (spec == variant.captures().end())
+      throw Error(fmt::format("--capture {}: '{}' declares no such capture", name, variant.name()));
+    host_caps.push_back(npy::read(file).as(parse_dtype(spec->dtype),
+                                           fmt::format("--capture {}={}", name, file)));
+    const npy::Array& a = host_caps.back();
+    dev_caps.push_back(upload(a.bytes.data(), a.bytes.size()));
+    opts.captures[name] = TensorView{dev_caps.back().get(), a.dtype, a.shape, {}};
+    ref.captures[name] = a.view();
+    bmo.captures[name] = CaptureData{a.bytes.data(), dev_caps.back().get(), a.shape, {}};
+  }
+  for (const ModDeps& deps : {variant.score_deps(), variant.mask_deps()})
+    for (const std::string& c : deps.captures)
+      if (!o.captures.contains(c))
+        throw Error(fmt::format("'{}' reads capture '{}': pass --capture {}=FILE.npy",
+                                variant.name(), c, c));
+  for (const auto& [name, text] : o.params) {
+    double x = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
+    if (ec != std::errc() || end != text.data() + text.size())
+      throw Error(fmt::format("--param {}={}: not a number", name, text));
+    opts.params[name] = x;
+  }
+  bmo.params = opts.params;
+  opts.scale = o.scale;
+
+  jit::DeviceBuffer dq = upload(q.bits.data(), q.bits.size() * 2);
+  jit::DeviceBuffer dk = upload(k.bits.data(), k.bits.size() * 2);
+  jit::DeviceBuffer dv = upload(v.bits.data(), v.bits.size() * 2);
+  jit::DeviceBuffer dout(std::max<size_t>(q.bits.size() * 2, 16));
+  jit::DeviceBuffer dlse(std::max<size_t>(B * Hq * Lq * 4, 16));
+  dout.fill(0xff);  // NaN: an element the kernel missed cannot pass for a result
+  dlse.fill(0xff);
+  const auto view = [&](const jit::DeviceBuffer& b, const Input& in) {
+    return TensorView{b.get(), dtype, in.shape, {}};
+  };
+  opts.lse = TensorView{dlse.get(), DType::F32, {B, Hq, Lq}, {}};
+
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<BlockMask> bm;
+  if (!variant.mask_always_true() && !o.dense) {
+    bm = create_block_mask(variant, B, Hq, Lq, Lkv, bmo);
+    opts.block_mask = &*bm;
+  }
+  attention(view(dq, q), view(dk, k), view(dv, v), view(dout, q), variant, opts);
+  jit::synchronize_device();
+  const double first_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  jit::EventTimer timer;  // a second, warm launch: the kernel's own time
+  timer.start(opts.stream);
+  attention(view(dq, q), view(dk, k), view(dv, v), view(dout, q), variant, opts);
+  timer.stop(opts.stream);
+  const double kernel_ms = timer.elapsed_ms();
+
+  std::vector<uint16_t> out_bits = dout.to_vector<uint16_t>(q.bits.size());
+  std::vector<float> out(out_bits.size());
+  for (size_t i = 0; i < out.size(); ++i)
+    out[i] = dtype == DType::BF16 ? bf16_to_float(out_bits[i]) : fp16_to_float(out_bits[i]);
+  const std::vector<float> lse = dlse.to_vector<float>(B * Hq * Lq);
+  if (!o.out.empty()) npy::write(o.out, npy::from_float(q.shape, out));
+  if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, lse));
+  fmt::print("{} {}: B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}: first call {:.1f} ms (build, "
+             "compile or cache), kernel {:.3f} ms\n",
+             variant.name(), o.dtype, B, Hq, Hkv, Lq, Lkv, D,
+             bm ? fmt::format(", BlockMask sparsity {:.1f}%", bm->sparsity()) : "", first_ms,
+             kernel_ms);
+  if (!o.check) return;
+
+  ref.q = q.values, ref.k = k.values, ref.v = v.values;
+  ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
+  ref.head_dim = D, ref.scale = o.scale, ref.params = opts.params, ref.dtype = dtype;
+  const int64_t rows = B * Hq * Lq;
+  if (rows > o.check_rows) {  // a random sample of rows, sorted
+    std::uniform_int_distribution<int64_t> pick(0, rows - 1);
+    for (int64_t i = 0; i < o.check_rows; ++i) ref.rows.push_back(pick(rng));
+    std::sort(ref.rows.begin(), ref.rows.end());
+    ref.rows.erase(std::unique(ref.rows.begin(), ref.rows.end()), ref.rows.end());
+  }
+  const ReferenceResult r = reference_attention(variant, ref);
+  std::vector<float> out_rows, lse_rows;
+  for (int64_t row : r.rows) {
+    out_rows.insert(out_rows.end(), out.begin() + row * D, out.begin() + (row + 1) * D);
+    lse_rows.push_back(lse[row]);
+  }
+  const Accuracy acc = check_accuracy(r, out_rows, lse_rows);
+  fmt::print("check ({} of {} rows, seed {}): {}\n", r.rows.size(), rows, o.seed, acc.summary());
+  if (!acc.pass) throw CLI::RuntimeError(1);
+}
+
+const Register reg("run", [](CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "run",
+      "Run a variant's forward attention on the GPU: q, k, v from float32 .npy files [B, H, SEQ, "
+      "D] (or --random), output and LSE to float32 .npy files. --check compares with the float64 "
+      "CPU reference and exits 1 when the tolerance rule fails.");
+  cmd->add_option("config", o->config, "JSON variant config, or @name from the catalogue")
+      ->required();
+  cmd->add_option("--q", o->q, "queries, float32 .npy [B, HQ, Q_LEN, D]");
+  cmd->add_option("--k", o->k, "keys, float32 .npy [B, HKV, KV_LEN, D]");
+  cmd->add_option("--v", o->v, "values, float32 .npy [B, HKV, KV_LEN, D]");
+  cmd->add_option("--random", o->random,
+                  "generate normal random q, k, v of sizes B,HQ,HKV,Q_LEN,KV_LEN,D instead");
+  cmd->add_option("--seed", o->seed, "seed for --random and the --check row sample");
+  cmd->add_option("--capture", o->captures,
+                  "a captured tensor, NAME=FILE.npy in its declared dtype (float32 converts to "
+                  "bf16 / fp16) (repeatable)")
+      ->delimiter('=');
+  cmd->add_option("--param", o->params, "a runtime param, NAME=VALUE (repeatable)")->delimiter('=');
+  cmd->add_option("--dtype", o->dtype, "the kernel's input type (default bf16)")
+      ->check(CLI::IsMember({"bf16", "fp16"}));
+  cmd->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
+  cmd->add_option("--out", o->out, "write the output here, float32 .npy [B, HQ, Q_LEN, D]");
+  cmd->add_option("--lse", o->lse, "write the log-sum-exp here, float32 .npy [B, HQ, Q_LEN]");
+  cmd->add_flag("--check", o->check, "compare with the float64 CPU reference; exit 1 on failure");
+  cmd->add_option("--check-rows", o->check_rows,
+                  "check at most this many rows, a random sample (default 4096)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_flag("--dense", o->dense, "no BlockMask: visit every tile, mask_mod on each");
+  cmd->callback([o] { run(*o); });
+});
+
+}  // namespace
+}  // namespace flexc::cli
