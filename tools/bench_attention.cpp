@@ -24,9 +24,9 @@
 #include "flexc/blockmask.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
-#include "src/jit/driver.h"
-#include "src/jit/jit.h"
-#include "src/variant_impl.h"
+#include "jit/driver.h"
+#include "jit/jit.h"
+#include "variant_impl.h"
 
 using namespace flexc;
 

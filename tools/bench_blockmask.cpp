@@ -19,9 +19,9 @@
 #include "flexc/blockmask.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
-#include "src/blockmask_impl.h"
-#include "src/jit/driver.h"
-#include "src/jit/jit.h"
+#include "blockmask_impl.h"
+#include "jit/driver.h"
+#include "jit/jit.h"
 
 using namespace flexc;
 using Clock = std::chrono::steady_clock;

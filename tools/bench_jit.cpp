@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "../src/jit/jit.h"
-#include "../src/jit/kernels.h"
+#include "jit/jit.h"
+#include "jit/kernels.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
 

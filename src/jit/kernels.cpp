@@ -11,12 +11,18 @@ KernelSpec mods_eval_spec(const KernelConfig& cfg) {
   return {"mods_eval.cuh", "flexc_mods_eval", {}, cfg.arch};
 }
 
+KernelSpec blockmask_classify_spec(const KernelConfig& cfg) {
+  return {"blockmask.cuh", "flexc_blockmask_classify", {}, cfg.arch};
+}
+
 namespace {
 
 constexpr KnownKernel kKernels[] = {
     {"attention_fwd", "forward attention (FlashAttention-2 structure, sm_80+)",
      &attention_fwd_spec},
     {"mods_eval", "the variant's mods over a grid of indices (tests)", &mods_eval_spec},
+    {"blockmask_classify", "BlockMask: mask_mod over the tiles the analysis left undecided",
+     &blockmask_classify_spec},
 };
 
 }  // namespace

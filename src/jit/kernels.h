@@ -35,5 +35,6 @@ const KnownKernel& find_kernel(std::string_view name);
 // score_mod, score_mod_grad and mask_mod there; accumulate_capture_grads adds grad_score * d/dx
 // into each float capture's `grad` (when non-null).
 KernelSpec mods_eval_spec(const KernelConfig& cfg);
+KernelSpec blockmask_classify_spec(const KernelConfig& cfg);
 
 }  // namespace flexc::jit

@@ -1,5 +1,5 @@
 // `flexc cache dir|list|stats|clear`: the JIT's disk cache of compiled kernels.
-#include "../../src/jit/cache.h"
+#include "jit/cache.h"
 
 #include <fmt/format.h>
 

@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "../../src/jit/jit.h"
-#include "../../src/jit/kernels.h"
 #include "cli/command.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
+#include "jit/jit.h"
+#include "jit/kernels.h"
 
 namespace flexc::cli {
 namespace {
@@ -24,7 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 
 struct Options {
-  std::string config, arch, dtype = "bf16", kernels = "all", out_dir, emit;
+  std::vector<std::string> configs;
+  std::string arch, dtype = "bf16", kernels = "all", out_dir, emit;
   int head_dim = 128;
   bool timings = false;
 };
@@ -62,7 +63,6 @@ void write_file(const fs::path& p, const std::string& data) {
 
 void run(const Options& o) {
   const auto t0 = std::chrono::steady_clock::now();
-  const Variant v = load_variant(o.config);
   if (o.dtype != "bf16" && o.dtype != "fp16")
     throw Error(fmt::format("--dtype must be bf16 or fp16, not '{}'", o.dtype));
   if (o.arch.empty() && !jit::gpu_available())
@@ -93,28 +93,34 @@ void run(const Options& o) {
   const fs::path dir = o.out_dir.empty() ? fs::path(".") : fs::path(o.out_dir);
   if (want_cu || want_ptx || want_cubin) fs::create_directories(dir);
 
-  const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
-  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  for (size_t i = 0; i < out.size(); ++i) {
-    const jit::Compiled& c = out[i];
-    const std::string how = c.from_disk ? "disk cache" : c.from_cache ? "memory cache" : "compiled";
-    std::string line =
-        fmt::format("{}: {} ({}): {}, key {}, cubin {} bytes, ptx {} bytes", v.name(),
-                    kernels[i]->name, specs[i].arch.empty() ? "this GPU" : specs[i].arch, how,
-                    c.key.substr(0, 16), c.cubin.size(), c.ptx.size());
-    if (o.timings && !c.from_cache) line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
-    fmt::print("{}\n", line);
-    const std::string stem = fmt::format("{}.{}.{}", file_stem(v.name()), kernels[i]->name,
-                                         specs[i].arch.empty() ? "gpu" : specs[i].arch);
-    if (want_cu) write_file(dir / (stem + ".cu"), c.source);
-    if (want_ptx) write_file(dir / (stem + ".ptx"), c.ptx);
-    if (want_cubin) {
-      if (c.cubin.empty())
-        throw Error(fmt::format("{} has no cubin: '{}' is a virtual architecture (use --emit ptx)",
-                                stem, specs[i].arch));
-      write_file(dir / (stem + ".cubin"), c.cubin);
+  for (const std::string& config : o.configs) {
+    const Variant v = load_variant(config);
+    const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
+    for (size_t i = 0; i < out.size(); ++i) {
+      const jit::Compiled& c = out[i];
+      const std::string how = c.from_disk    ? "disk cache"
+                              : c.from_cache ? "memory cache"
+                                             : "compiled";
+      std::string line =
+          fmt::format("{}: {} ({}): {}, key {}, cubin {} bytes, ptx {} bytes", v.name(),
+                      kernels[i]->name, specs[i].arch.empty() ? "this GPU" : specs[i].arch, how,
+                      c.key.substr(0, 16), c.cubin.size(), c.ptx.size());
+      if (o.timings && !c.from_cache) line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
+      fmt::print("{}\n", line);
+      const std::string stem = fmt::format("{}.{}.{}", file_stem(v.name()), kernels[i]->name,
+                                           specs[i].arch.empty() ? "gpu" : specs[i].arch);
+      if (want_cu) write_file(dir / (stem + ".cu"), c.source);
+      if (want_ptx) write_file(dir / (stem + ".ptx"), c.ptx);
+      if (want_cubin) {
+        if (c.cubin.empty())
+          throw Error(
+              fmt::format("{} has no cubin: '{}' is a virtual architecture (use --emit ptx)", stem,
+                          specs[i].arch));
+        write_file(dir / (stem + ".cubin"), c.cubin);
+      }
     }
   }
+  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (o.timings) fmt::print("total {:.3f} s\n", total);
 }
 
@@ -122,8 +128,9 @@ const Register reg{
     "compile", [](CLI::App& app) {
       auto o = std::make_shared<Options>();
       CLI::App* c = app.add_subcommand(
-          "compile", "Generate a variant's kernels with NVRTC (no GPU needed; uses the JIT cache)");
-      c->add_option("config", o->config, "variant config (JSON file, or @name from the catalogue)")
+          "compile", "Generate variants' kernels with NVRTC (no GPU needed; uses the JIT cache)");
+      c->add_option("configs", o->configs,
+                    "variant configs (JSON files, or @name from the catalogue)")
           ->required();
       c->add_option("--arch", o->arch,
                     "target: sm_80, sm_86, sm_89, sm_90, sm_90a, compute_90, ... "

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "../../src/jit/driver.h"
-#include "../../src/jit/jit.h"
+#include "jit/driver.h"
+#include "jit/jit.h"
 #include "cli/command.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"

@@ -1,0 +1,12 @@
+// flexc's public C++ API in one include: variants (flexc/variant.h), BlockMasks
+// (flexc/blockmask.h), the forward attention kernel (flexc/attention.h) and its tensor views
+// (flexc/tensor.h), the float64 CPU reference (flexc/reference.h) and .npy files (flexc/npy.h).
+#pragma once
+
+#include "flexc/attention.h"
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/npy.h"
+#include "flexc/reference.h"
+#include "flexc/tensor.h"
+#include "flexc/variant.h"
