@@ -62,6 +62,24 @@ const char* load_helper(DType d) {
   return "?";
 }
 
+// Whether hook input `i` lies in [0, dim) whenever a hook runs: the inputs bounded by the lengths
+// of the hooks' contract (templates/flexc_hooks.cuh), each against the dim naming that length.
+bool in_range(Input i, const Dim& dim) {
+  switch (dim.kind) {
+    case Dim::B:
+      return i == Input::B;
+    case Dim::H:
+      return i == Input::H;
+    case Dim::QLen:
+      return i == Input::QIdx;
+    case Dim::KvLen:
+      return i == Input::KvIdx;
+    case Dim::Fixed:
+      break;
+  }
+  return false;
+}
+
 // Writes the body of one hook: an SSA statement per needed node, in id order (so every operand is
 // defined before its use). Inputs and constants are used in place.
 class BodyWriter {
@@ -113,8 +131,19 @@ class BodyWriter {
     if (n.slot >= decls_.captures.size())
       throw std::invalid_argument(
           fmt::format("emit_cuda: capture slot {} is not declared", n.slot));
+    const CaptureDecl& c = decls_.captures[n.slot];
+    if (c.dims.size() != n.nargs)
+      throw std::invalid_argument(fmt::format("emit_cuda: capture slot {} has rank {}, not {}",
+                                              n.slot, c.dims.size(), n.nargs));
     std::string s = fmt::format("flexc_at(a.captures[{}]", n.slot);
-    for (NodeId a : n.operands()) s += ", " + ref(a);
+    for (size_t d = 0; d < n.nargs; ++d) {
+      const Node& i = g_[n.args[d]];
+      // In range by the hooks' contract: no integer modulo.
+      if (i.op == Op::Input && in_range(i.input, c.dims[d]))
+        s += ", " + ref(n.args[d]);
+      else
+        s += fmt::format(", flexc_wrap({}, a.captures[{}].shape[{}])", ref(n.args[d]), n.slot, d);
+    }
     return s + ")";
   }
 

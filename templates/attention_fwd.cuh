@@ -99,47 +99,72 @@ __device__ __forceinline__ const T* at(const void* base, const long long (&strid
   return static_cast<const T*>(base) + b * stride[0] + h * stride[1];
 }
 
-// Calls f(s[i][j][e], q_idx, kv_idx) for every score this thread holds.
+// The hook indices of this thread's scores: query row (i, e >> 1) and kv column (j, e & 1) of
+// the tile at (row0, kv0), clamped into [0, len) as the hooks' contract requires (flexc_hooks.cuh).
+// Scores of rows past q_len are never written and those of columns past kv_len (`in_kv` false)
+// are masked, so what the hooks return there is discarded. Computed once per row / column.
+// Never built when q_len or kv_len is 0: the host launches nothing for q_len 0, and kv_len 0
+// leaves no kv tile to visit (a BlockMask needs kv_len >= 1).
+struct HookIdx {
+  int q[kMT][2];
+  int kv[kNT][2];
+  bool in_kv[kNT][2];
+
+  __device__ __forceinline__ HookIdx(int row0, int kv0, int q_len, int kv_len) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < kMT; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) q[i][r] = min(row0 + i * 16 + (lane >> 2) + r * 8, q_len - 1);
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = kv0 + j * 8 + (lane & 3) * 2 + c;
+        kv[j][c] = min(col, kv_len - 1);
+        in_kv[j][c] = col < kv_len;
+      }
+  }
+};
+
+// Calls f(s[i][j][e], q_idx, kv_idx, in_kv) for every score this thread holds.
 template <class F>
-__device__ __forceinline__ void for_each_score(float (&s)[kMT][kNT][4], int row0, int kv0, F f) {
-  const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void for_each_score(float (&s)[kMT][kNT][4], const HookIdx& idx, F f) {
 #pragma unroll
   for (int i = 0; i < kMT; ++i)
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        f(s[i][j][e], row0 + i * 16 + (lane >> 2) + (e >> 1) * 8, kv0 + j * 8 + (lane & 3) * 2 + (e & 1));
+        f(s[i][j][e], idx.q[i][e >> 1], idx.kv[j][e & 1], idx.in_kv[j][e & 1]);
 }
 
 // score_mod on scale * q.k, then the mask (FlexAttention's order). Leaves scores in the units
 // OnlineSoftmax expects: raw q.k for an identity score_mod (the softmax scale folds into the
 // exponent), score_mod's output otherwise. The mask is evaluated without short-circuit so the
 // unrolled tile is straight-line code and row- or column-only terms (capture loads, index
-// wrapping) are computed once per row / column, not per element; mask_mod is pure and its
-// capture reads wrap, so evaluating it past kv_len is safe.
+// wrapping) are computed once per row / column, not per element.
 __device__ __forceinline__ void apply_mods(float (&s)[kMT][kNT][4], const FlexcAttentionParams& p,
                                            const FlexcArgs& args, int b, int h, int row0, int kv0,
                                            bool partial) {
+  const HookIdx idx(row0, kv0, p.q_len, p.kv_len);
   if constexpr (!FlexcVariant::kIdentityScore) {
-    for_each_score(s, row0, kv0, [&](float& x, int q_idx, int kv_idx) {
+    for_each_score(s, idx, [&](float& x, int q_idx, int kv_idx, bool) {
       x = FlexcVariant::score_mod(args, x * p.scale, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
     });
   }
   if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
     if (partial) {
-      for_each_score(s, row0, kv0, [&](float& x, int q_idx, int kv_idx) {
-        const bool keep = (kv_idx < p.kv_len) &
-                          FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+      for_each_score(s, idx, [&](float& x, int q_idx, int kv_idx, bool in_kv) {
+        const bool keep =
+            in_kv & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
         x = keep ? x : neg_inf();
       });
       return;
     }
   }
   if (kv0 + kBlockN > p.kv_len) {
-    for_each_score(s, row0, kv0, [&](float& x, int, int kv_idx) {
-      x = kv_idx < p.kv_len ? x : neg_inf();
-    });
+    for_each_score(s, idx, [&](float& x, int, int, bool in_kv) { x = in_kv ? x : neg_inf(); });
   }
 }
 

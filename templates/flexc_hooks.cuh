@@ -26,6 +26,12 @@
 //                                                   float score, int b, int h, int q_idx,
 //                                                   int kv_idx, int q_len, int kv_len);
 // };
+//
+// Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in
+// [0, q_len) and kv_idx in [0, kv_len), the call's sizes, to which the captures' symbolic dims
+// resolve. A kernel computing scores past the lengths (edge tiles) passes indices clamped into
+// range and discards those scores. The emitter relies on it: an index that is exactly the input
+// its dim measures (`slope[h]` with dim H, `doc[kv_idx]` with KV_LEN) is used without wrapping.
 #pragma once
 
 #define FLEXC_MAX_CAPTURES 8
@@ -127,24 +133,27 @@ __device__ __forceinline__ float flexc_sigmoidf(float x) {
 }
 __device__ __forceinline__ float flexc_rsqrtf(float x) { return __fdiv_rn(1.0f, sqrtf(x)); }
 
-// A captured tensor's index wraps: floored modulo the dimension (n > 0). In range is the
-// common case and costs one compare.
+// A captured tensor's index wraps: floored modulo the dimension, n >= 1 (fixed extents are
+// validated; a symbolic dim is a length, and hooks are called only when it is >= 1, see above).
+// Branch-free, so that a load whose index is the same for a whole tile is computed once.
 __device__ __forceinline__ int flexc_wrap(int i, int n) {
-  return (unsigned)i < (unsigned)n ? i : flexc_mod(i, n);
+  const int r = i % n;  // truncated: in (-n, n), and never INT_MIN % -1
+  return r < 0 ? r + n : r;
 }
-// Element offset of a wrapped index, one overload per rank.
+// Element offset of in-range indices (the emitter wraps those that need it), one overload per
+// rank.
 __device__ __forceinline__ long long flexc_at(const FlexcCapture& c, int i0) {
-  return flexc_wrap(i0, c.shape[0]) * c.stride[0];
+  return i0 * c.stride[0];
 }
 __device__ __forceinline__ long long flexc_at(const FlexcCapture& c, int i0, int i1) {
-  return flexc_at(c, i0) + flexc_wrap(i1, c.shape[1]) * c.stride[1];
+  return flexc_at(c, i0) + i1 * c.stride[1];
 }
 __device__ __forceinline__ long long flexc_at(const FlexcCapture& c, int i0, int i1, int i2) {
-  return flexc_at(c, i0, i1) + flexc_wrap(i2, c.shape[2]) * c.stride[2];
+  return flexc_at(c, i0, i1) + i2 * c.stride[2];
 }
 __device__ __forceinline__ long long flexc_at(const FlexcCapture& c, int i0, int i1, int i2,
                                               int i3) {
-  return flexc_at(c, i0, i1, i2) + flexc_wrap(i3, c.shape[3]) * c.stride[3];
+  return flexc_at(c, i0, i1, i2) + i3 * c.stride[3];
 }
 
 // Loads by element type. bf16 and fp16 are widened exactly, from their bits (no cuda_bf16.h /

@@ -3,6 +3,8 @@
 // [0, B) x [0, H) x [q0, q0 + nq) x [kv0, kv0 + nkv); point i = ((b * H + h) * nq + (q - q0)) *
 // nkv + (kv - kv0) reads score_in[i] and writes score_mod, score_mod_grad and mask_mod at i.
 // accumulate_capture_grads adds grad_score * d score_mod / d capture into the captures' `grad`.
+// The caller keeps the points within the hooks' contract (flexc_hooks.cuh): [q0, q0 + nq) inside
+// [0, q_len), [kv0, kv0 + nkv) inside [0, kv_len).
 #include "flexc_hooks.cuh"
 #include "flexc_variant.cuh"
 

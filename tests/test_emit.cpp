@@ -14,6 +14,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <utility>
 
 #include "dsl/analysis.h"
 #include "dsl/emit_cuda.h"
@@ -147,6 +148,35 @@ TEST_CASE("the emitter rejects more captures than the hooks carry", "[emit]") {
   CHECK_THROWS_WITH(emit_cuda_variant({&g, &m, &d, "x"}), Catch::Contains("at most 8 tensors"));
 }
 
+TEST_CASE("a capture index is wrapped unless it is the input its dim measures", "[emit]") {
+  Decls d;
+  d.captures.push_back({"slope", DType::F32, {{Dim::H}}});
+  d.captures.push_back({"bias", DType::F32, {{Dim::H}, {Dim::Fixed, 64}}});
+  d.captures.push_back({"doc", DType::I32, {{Dim::KvLen}}});
+  d.captures.push_back({"pb", DType::F32, {{Dim::B}, {Dim::QLen}}});
+  const std::string alibi = emit(parse("score + slope[h] * (kv_idx - q_idx)", "true", d));
+  CHECK(has(alibi, "flexc_at(a.captures[0], h)"));
+  CHECK_FALSE(has(alibi, "flexc_wrap"));
+
+  const std::string bias = emit(parse("score + bias[h, q_idx - kv_idx]", "true", d));
+  CHECK(has(bias, "flexc_at(a.captures[1], h, flexc_wrap(t"));
+  CHECK(has(bias, ", a.captures[1].shape[1]))"));
+  CHECK_FALSE(has(bias, "shape[0]"));
+
+  // By dim, not by input: doc is [KV_LEN], so q_idx wraps there and kv_idx does not.
+  const std::string doc = emit(parse("score", "doc[q_idx] == doc[kv_idx]", d));
+  CHECK(has(doc, "flexc_at(a.captures[2], flexc_wrap(q_idx, a.captures[2].shape[0]))"));
+  CHECK(has(doc, "flexc_at(a.captures[2], kv_idx)"));
+
+  // Inputs against other dims, and the lengths themselves, wrap.
+  const std::string other =
+      emit(parse("score + pb[h, b] + pb[b, q_len] + pb[b, q_idx]", "true", d));
+  CHECK(has(other, "flexc_at(a.captures[3], flexc_wrap(h, a.captures[3].shape[0]), "
+                   "flexc_wrap(b, a.captures[3].shape[1]))"));
+  CHECK(has(other, "flexc_at(a.captures[3], b, flexc_wrap(q_len, a.captures[3].shape[1]))"));
+  CHECK(has(other, "flexc_at(a.captures[3], b, q_idx)"));
+}
+
 // ---- generated code vs the interpreter, on the host
 
 namespace {
@@ -190,12 +220,13 @@ Decls random_decls() {
   d.captures.push_back({"bf", DType::BF16, {{Dim::QLen}}});
   d.captures.push_back({"m", DType::Bool, {{Dim::Fixed, 2}, {Dim::Fixed, 3}, {Dim::B}}});
   d.captures.push_back({"g", DType::F32, {{Dim::B}, {Dim::H}, {Dim::Fixed, 2}, {Dim::Fixed, 3}}});
+  d.captures.push_back({"k", DType::F32, {{Dim::Fixed, 2}, {Dim::KvLen}}});
   d.params.push_back({"pf", Type::Float, 0, false});
   d.params.push_back({"pi", Type::Int, 0, false});
   return d;
 }
 
-constexpr int kB = 2, kH = 3, kQLen = 7;
+constexpr int kB = 2, kH = 3, kQLen = 7, kKvLen = 11;
 
 int64_t extent(const Dim& dim) {
   switch (dim.kind) {
@@ -206,7 +237,7 @@ int64_t extent(const Dim& dim) {
     case Dim::QLen:
       return kQLen;
     case Dim::KvLen:
-      return 11;
+      return kKvLen;
     case Dim::Fixed:
       break;
   }
@@ -273,33 +304,26 @@ struct Point {
   float score;
 };
 
-// An int from a range users hit, or an extreme that exercises wrap-around.
-int random_index() {
-  if (std::uniform_int_distribution<int>(0, 9)(rng()) == 0) {
-    static constexpr int extremes[] = {INT32_MIN, INT32_MAX, -1, 1 << 30};
-    return extremes[std::uniform_int_distribution<int>(0, 3)(rng())];
-  }
-  return std::uniform_int_distribution<int>(-20, 40)(rng());
-}
-
 }  // namespace
 
 TEST_CASE("generated hooks compute what the interpreter computes (host build)", "[emit]") {
   const Decls decls = random_decls();
-  constexpr int kVariants = 30, kPoints = 64;
+  constexpr int kRandom = 30, kPoints = 64;
   std::vector<Buffer> bufs;
   for (const CaptureDecl& c : decls.captures) bufs.push_back(random_buffer(c));
   const float pf = std::uniform_real_distribution<float>(-3, 3)(rng());
   const int pi = std::uniform_int_distribution<int>(-5, 5)(rng());
 
+  // In range, as kernels call the hooks (flexc_hooks.cuh); index expressions still reach any int.
   std::vector<Point> points;
   for (int i = 0; i < kPoints; ++i) {
     const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e30f};
     const float s =
         i % 8 == 0 ? special[i / 8 % 6] : std::uniform_real_distribution<float>(-10, 10)(rng());
     points.push_back({std::uniform_int_distribution<int>(0, kB - 1)(rng()),
-                      std::uniform_int_distribution<int>(0, kH - 1)(rng()), random_index(),
-                      random_index(), kQLen, std::uniform_int_distribution<int>(1, 50)(rng()), s});
+                      std::uniform_int_distribution<int>(0, kH - 1)(rng()),
+                      std::uniform_int_distribution<int>(0, kQLen - 1)(rng()),
+                      std::uniform_int_distribution<int>(0, kKvLen - 1)(rng()), kQLen, kKvLen, s});
   }
 
   // Random variants; the score_mod may read score, the mask_mod may not.
@@ -309,12 +333,25 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
   sopt.max_depth = 5;
   RandomExprOptions mopt = sopt;
   mopt.inputs[0] = false;
-  std::vector<Graph> scores(kVariants), masks(kVariants);
+  std::vector<Graph> scores(kRandom), masks(kRandom);
   const uint64_t seed = rng()();
-  for (int v = 0; v < kVariants; ++v) {
+  for (int v = 0; v < kRandom; ++v) {
     RandomExpr sg(seed + 2 * v, sopt), mg(seed + 2 * v + 1, mopt);
     scores[v].root = sg.float_expr(scores[v]);
     masks[v].root = mg.bool_expr(masks[v]);
+  }
+  // And written ones: indices the emitter leaves unwrapped (h with dim H, kv_idx with KV_LEN, ...)
+  // next to wrapped ones far out of range.
+  const std::pair<const char*, const char*> written[] = {
+      {"score + f[q_idx - kv_idx + 5] * k[1, kv_idx] + bf[q_idx] + g[b, h, kv_idx, q_idx]",
+       "i[kv_idx, h] > 0 || m[q_idx, kv_idx * 2147483647, b]"},
+      {"score * g[b, h, q_idx - 2147483647 - 1, kv_idx * -1000000007] - "
+       "k[q_idx + 2147483647, q_idx]",
+       "bf[kv_idx * 65537 - q_idx] < bf[q_idx] && i[-2147483648, h] != 0"},
+  };
+  for (const auto& [score, mask] : written) {
+    scores.push_back(parse_mod(ModKind::Score, score, decls, "score_mod").graph);
+    masks.push_back(parse_mod(ModKind::Mask, mask, decls, "mask_mod").graph);
   }
 
   // The host program: every variant's header in its own namespace, evaluated at every point.
@@ -322,7 +359,7 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
   fs::create_directories(dir);
   std::string prog =
       std::string(kShim) + "#include \"" FLEXC_SOURCE_DIR "/templates/flexc_hooks.cuh\"\n";
-  for (int v = 0; v < kVariants; ++v) {
+  for (size_t v = 0; v < scores.size(); ++v) {
     // Distinct names keep the headers distinct: GCC's #pragma once merges identical files.
     const std::string h =
         emit_cuda_variant({&scores[v], &masks[v], &decls, fmt::format("random{}", v)});
@@ -346,7 +383,7 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
   }
   prog += fmt::format("  a.fparam[0] = std::bit_cast<float>(0x{}u); a.iparam[1] = {};\n",
                       hex_bits(pf), pi);
-  for (int v = 0; v < kVariants; ++v) {
+  for (size_t v = 0; v < scores.size(); ++v) {
     prog += fmt::format(
         "  for (const P& p : points) {{\n"
         "    const float s = std::bit_cast<float>(p.score);\n"
@@ -388,7 +425,7 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
   const double params[] = {pf, static_cast<double>(pi)};
   std::ifstream out(dir / "out.txt");
   std::vector<Value> scratch;
-  for (int v = 0; v < kVariants; ++v) {
+  for (size_t v = 0; v < scores.size(); ++v) {
     const Graph s = simplify(scores[v]), m = simplify(masks[v]);
     Graph dg = s;
     const NodeId droot = derivative_wrt_score(dg, dg.root);

@@ -73,10 +73,10 @@ struct FlexcVariant : FlexcVariantBase {
 struct FlexcVariant : FlexcVariantBase {
   static constexpr bool kMaskAlwaysTrue = false;
   FLEXC_DEV_HD static bool mask_mod(const FlexcArgs& a, int, int, int q, int kv, int, int) {
-    // Indices wrap like the generated code's loads (rows past q_len are evaluated too).
+    // As the generated code reads it: q wraps (doc is [KV_LEN]; q >= 0, so % is the wrap), kv
+    // is in range (the hooks' contract, flexc_hooks.cuh).
     const int* doc = static_cast<const int*>(a.captures[0].data);
-    const int n = a.captures[0].shape[0];
-    return doc[q % n] == doc[kv % n];
+    return doc[q % a.captures[0].shape[0]] == doc[kv];
   }
 };
 
