@@ -240,7 +240,7 @@ static NodeId build(Graph& g, Op op, std::span<const NodeId> args, SrcRange src)
   n.op = op;
   n.nargs = static_cast<uint8_t>(args.size());
   n.src = src;
-  if (op == Op::Select) {
+  if (op == Op::Select && args.size() == 3) {
     // The condition stays Bool; the branches are promoted to a common type.
     const Type ts[2] = {g[args[1]].type, g[args[2]].type};
     Type operand;
