@@ -20,11 +20,12 @@ struct VariantImpl;  // defined in src/; holds the checked IR
 struct CaptureSpec {
   std::string name;
   std::string dtype;              // "int32", "float32", "bf16", "fp16", "bool"
-  std::vector<std::string> dims;  // each a number or one of "B", "H", "Q_LEN", "KV_LEN"
+  std::vector<std::string> dims;  // rank 1..4 ("shape" in JSON): a positive number or one of
+                                  // "B", "H", "Q_LEN", "KV_LEN"
 };
 
 // A scalar parameter. `runtime` ones are kernel arguments (changing them never recompiles);
-// `const` ones are folded into the generated code.
+// `const` ones are folded into the generated code. An int param's default is an int32.
 struct ParamSpec {
   std::string name;
   std::string type = "float";  // "int" or "float"
@@ -45,15 +46,20 @@ class Variant {
   static Variant from_strings(std::string_view score_mod, std::string_view mask_mod = "true",
                               std::vector<CaptureSpec> captures = {},
                               std::vector<ParamSpec> params = {}, std::string name = "custom");
-  // From a JSON config (schema in docs/dsl.md). `origin` names the file in messages.
+  // From a JSON config (schema in docs/variants.md). `origin` names the file in messages.
   static Variant from_json(std::string_view json_text, std::string_view origin = "<json>");
   static Variant from_json_file(const std::filesystem::path& path);
-  // The built-in catalogue (examples/variants/, embedded at build time).
+  // The built-in catalogue (examples/variants/, embedded at build time); "alibi" or "@alibi".
   static Variant from_catalogue(std::string_view name);
   static std::vector<std::string> catalogue_names();
+  // What a command line names: "@name" is a catalogue entry, anything else a JSON file.
+  static Variant load(std::string_view config);
 
   const std::string& name() const;
   const std::string& description() const;
+  // Normalized declarations ("007" -> "7"). Runtime params come first, then const ones, each
+  // group in declaration order; captures and runtime params are numbered in this order in the
+  // kernels' argument block.
   const std::vector<CaptureSpec>& captures() const;
   const std::vector<ParamSpec>& params() const;
 
@@ -68,8 +74,9 @@ class Variant {
 
   // Composition on checked trees. Declarations merge by name (the same name must declare the
   // same thing). and/or/not combine masks; the score_mods must not conflict (at most one side
-  // may have a non-identity score_mod). compose(outer, inner): score = outer(inner(score)),
-  // mask = outer.mask && inner.mask.
+  // may have a non-identity score_mod, unless both are the same). compose(outer, inner):
+  // score = outer(inner(score)), mask = outer.mask && inner.mask. Results are named
+  // "a_and_b", "a_or_b", "not_a", "outer_of_inner".
   friend Variant and_masks(const Variant& a, const Variant& b);
   friend Variant or_masks(const Variant& a, const Variant& b);
   friend Variant not_mask(const Variant& a);

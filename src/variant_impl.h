@@ -1,0 +1,62 @@
+// The checked IR behind flexc::Variant, for flexc's own code (JIT, BlockMask, CLI). Not installed.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "dsl/ir.h"
+#include "flexc/variant.h"
+
+namespace flexc::detail {
+
+struct VariantImpl {
+  std::string name, description;
+  // The declarations in public form (normalized: canonical dtype / type names, dims as "B", "H",
+  // "Q_LEN", "KV_LEN" or a decimal number) and as the IR refers to them: decls.captures[i] is Load
+  // slot i and decls.params[i] is Param slot i, in the same order as the specs. Runtime params
+  // come first (each group in declaration order), so every runtime param slot is below
+  // FLEXC_MAX_PARAMS and indexes FlexcArgs::fparam / iparam directly.
+  std::vector<CaptureSpec> capture_specs;
+  std::vector<ParamSpec> param_specs;
+  dsl::Decls decls;
+  // Checked and simplified: score.graph.root is the Float score_mod, mask.graph.root the Bool
+  // mask_mod. Const params are folded; runtime params appear as Param nodes. A mod built by
+  // composing two others has an empty `source` and no source ranges on its nodes.
+  dsl::Mod score, mask;
+};
+
+// ---- A variant as a config describes it, before checking. The JSON loader (variant_json.cpp)
+// produces one; build_variant (variant.cpp) checks it. `path` fields name the place in the
+// config for messages ("score_mod", "mask_mod.and[1]").
+
+struct MaskConfig {
+  enum class Kind { Expr, Ref, And, Or, Not } kind = Kind::Expr;
+  std::string text;  // Expr: the expression; Ref: the catalogue entry's name (without '@')
+  std::string path;
+  std::vector<MaskConfig> items;  // And / Or: two or more; Not: one
+};
+
+struct VariantConfig {
+  std::string name, description;
+  std::vector<CaptureSpec> captures;  // paths captures[i].name / .dtype / .shape[j]
+  std::vector<ParamSpec> params;      // paths params[i].name / .type / .default
+  std::string score_mod = "score";
+  MaskConfig mask{MaskConfig::Kind::Expr, "true", "mask_mod", {}};
+};
+
+// Checks everything; throws flexc::Error whose message starts with `origin`.
+Variant build_variant(const VariantConfig& config, std::string_view origin);
+
+// Parses a JSON config (schema in docs/variants.md); checks JSON types and keys only.
+VariantConfig parse_variant_json(std::string_view text, std::string_view origin);
+
+// Throws flexc::Error "origin: path: message".
+[[noreturn]] void config_error(std::string_view origin, std::string_view path,
+                               std::string_view message);
+// `text` quoted for a message, JSON style, control bytes escaped.
+std::string in_quotes(std::string_view text);
+// " (did you mean \"x\"?)" for the closest candidate, or empty.
+std::string did_you_mean(std::string_view got, const std::vector<std::string>& candidates);
+
+}  // namespace flexc::detail

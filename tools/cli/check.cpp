@@ -1,0 +1,87 @@
+// `flexc check CONFIG.json... | @name... | --catalogue`: loads variants and prints what flexc
+// understood of them (normalized mods, what they read, the score derivative, declarations).
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "flexc/variant.h"
+
+namespace flexc::cli {
+namespace {
+
+std::string reads(const ModDeps& d) {
+  std::vector<std::string> parts;
+  const std::pair<bool, const char*> inputs[] = {
+      {d.score, "score"},   {d.b, "b"},         {d.h, "h"},          {d.q_idx, "q_idx"},
+      {d.kv_idx, "kv_idx"}, {d.q_len, "q_len"}, {d.kv_len, "kv_len"}};
+  for (const auto& [used, name] : inputs)
+    if (used) parts.emplace_back(name);
+  for (const std::string& p : d.params) parts.push_back("param " + p);
+  for (const std::string& c : d.captures) parts.push_back("capture " + c);
+  return parts.empty() ? "nothing" : fmt::format("{}", fmt::join(parts, ", "));
+}
+
+void print(const Variant& v) {
+  fmt::print("{}", v.name());
+  if (!v.description().empty()) fmt::print(": {}", v.description());
+  fmt::print("\n  score_mod   {}{}\n", v.score_mod_text(),
+             v.identity_score() ? "  (identity)" : "");
+  fmt::print("    reads     {}\n", reads(v.score_deps()));
+  fmt::print("    d/dscore  {}\n", v.score_grad_text());
+  fmt::print("  mask_mod    {}{}\n", v.mask_mod_text(), v.mask_always_true() ? "  (no mask)" : "");
+  fmt::print("    reads     {}\n", reads(v.mask_deps()));
+  for (const CaptureSpec& c : v.captures())
+    fmt::print("  capture     {}: {} [{}]\n", c.name, c.dtype, fmt::join(c.dims, ", "));
+  for (const ParamSpec& p : v.params())
+    fmt::print("  param       {}: {} {} = {}\n", p.name, p.is_const ? "const" : "runtime", p.type,
+               p.default_value);
+}
+
+struct Options {
+  std::vector<std::string> configs;
+  bool catalogue = false;
+};
+
+void run(const Options& o) {
+  std::vector<std::string> todo = o.configs;
+  if (o.catalogue)
+    for (const std::string& name : Variant::catalogue_names()) todo.push_back("@" + name);
+  if (todo.empty()) throw CLI::ValidationError("give CONFIG.json files, @name or --catalogue");
+  int failed = 0;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const std::string& arg = todo[i];
+    try {
+      const Variant v = Variant::load(arg);
+      if (i) fmt::print("\n");
+      print(v);
+    } catch (const Error& e) {
+      std::fflush(stdout);
+      fmt::print(stderr, "{}\n", e.what());
+      ++failed;
+    }
+  }
+  std::fflush(stdout);
+  if (failed) {
+    if (todo.size() > 1) fmt::print(stderr, "flexc check: {} of {} failed\n", failed, todo.size());
+    throw CLI::RuntimeError(1);
+  }
+}
+
+const Register reg("check", [](CLI::App& app) {
+  auto opts = std::make_shared<Options>();
+  CLI::App* cmd = app.add_subcommand(
+      "check",
+      "Check variant configs: print the normalized score_mod and mask_mod, what they read, the "
+      "score derivative and the declarations. Exit status 1 if any config has errors.");
+  cmd->add_option("configs", opts->configs,
+                  "JSON variant configs, or @name for an entry of the built-in catalogue");
+  cmd->add_flag("--catalogue", opts->catalogue, "check every entry of the built-in catalogue");
+  cmd->callback([opts] { run(*opts); });
+});
+
+}  // namespace
+}  // namespace flexc::cli
