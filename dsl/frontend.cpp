@@ -7,6 +7,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "dsl/analysis.h"
 #include "dsl/lexer.h"
 #include "dsl/parser.h"
 
@@ -390,8 +391,10 @@ class Checker {
     }
   }
 
-  bool is_zero(NodeId id) const {
-    const Node& d = g_[id];
+  // A divisor that is zero once constants are folded (`0`, `1.0 - 1.0`, `~~0`, a const param):
+  // checked on the simplified divisor so that normalized text always parses back.
+  bool is_zero(NodeId id) {
+    const Node& d = g_[simplify_into(g_, id)];
     return d.op == Op::Const && (d.type == Type::Float ? d.fval == 0 : d.ival == 0);
   }
 

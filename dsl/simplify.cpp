@@ -104,6 +104,11 @@ class Simplifier {
   // Folds when every operand is a constant and both precisions give the same value.
   std::optional<NodeId> fold(const Node& n) {
     if (!foldable(n.op)) return std::nullopt;
+    // Negating a float constant is exact in both precisions even when the constant is not a
+    // float32 value (0.4): fold it as the front end folds a negative literal, so that simplify
+    // is idempotent on its own printed output.
+    if (n.op == Op::Neg && n.type == Type::Float && g_[n.args[0]].op == Op::Const)
+      return constant(Value{Type::Float, 0, -g_[n.args[0]].fval}, n.src);
     std::array<Value, kMaxArgs> v64{}, v32{};
     for (int k = 0; k < n.nargs; ++k) {
       const Node a = g_[n.args[k]];

@@ -477,8 +477,8 @@ TEST_CASE("interpreter: semantics through the front end", "[analysis][interp]") 
   const Row rows[] = {
       {"float((q_idx - kv_idx) % 2)", 0, 1, 1},         // floored: -1 % 2 == 1
       {"float((q_idx - kv_idx) // 4)", 0, 1, -1},       // floored: -1 // 4 == -1
-      {"float(q_idx // (kv_idx - kv_idx))", 5, 3, 0},  // x // 0 == 0
-      {"float(q_idx % (kv_idx - kv_idx))", 5, 3, 0},   // x % 0 == 0
+      {"float(q_idx // (kv_idx - 3))", 5, 3, 0},  // x // 0 == 0 (zero at run time)
+      {"float(q_idx % (kv_idx - 3))", 5, 3, 0},   // x % 0 == 0
       {"q_idx / kv_idx", 7, 2, 3.5},                     // true division
       {"q_idx + 0.25", 7, 2, 7.25},                      // promotion
       {"float(int(-2.5 * q_idx))", 1, 0, -2},           // truncation

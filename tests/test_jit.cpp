@@ -838,8 +838,8 @@ void check_on_gpu(const Variant& v, double tol) {
     int wrong = 0;
     for (size_t e = 0; e < got.size(); ++e) {
       const double want = want_grad[c][e];
-      const double tol = (1e-5 + 0x1p-23 * grad_terms[c][e]) * grad_mag[c][e] + 1e-6;
-      const bool ok = std::isfinite(want) ? std::abs(got[e] - want) <= tol
+      const double grad_tol = (1e-5 + 0x1p-23 * grad_terms[c][e]) * grad_mag[c][e] + 1e-6;
+      const bool ok = std::isfinite(want) ? std::abs(got[e] - want) <= grad_tol
                       : std::isnan(want)  ? std::isnan(got[e])
                                           : got[e] == want;
       if (!ok && ++wrong <= 5)
