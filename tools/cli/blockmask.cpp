@@ -81,8 +81,7 @@ std::vector<int32_t> document_ids(const std::string& name, const std::string& sp
 }
 
 void run(const Options& o) {
-  const Variant v = o.config.starts_with('@') ? Variant::from_catalogue(o.config)
-                                              : Variant::from_json_file(o.config);
+  const Variant v = Variant::load(o.config);
   const int64_t kv_len = o.kv_len ? o.kv_len : o.q_len;
   BlockMaskOptions bo;
   bo.q_tile = o.q_tile ? o.q_tile : o.tile;

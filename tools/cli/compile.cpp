@@ -30,12 +30,6 @@ struct Options {
   bool timings = false;
 };
 
-// `@name` is a catalogue entry, anything else a JSON file.
-Variant load_variant(const std::string& config) {
-  if (config.starts_with("@")) return Variant::from_catalogue(config.substr(1));
-  return Variant::from_json_file(config);
-}
-
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -94,7 +88,7 @@ void run(const Options& o) {
   if (want_cu || want_ptx || want_cubin) fs::create_directories(dir);
 
   for (const std::string& config : o.configs) {
-    const Variant v = load_variant(config);
+    const Variant v = Variant::load(config);
     const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
     for (size_t i = 0; i < out.size(); ++i) {
       const jit::Compiled& c = out[i];
