@@ -596,7 +596,9 @@ TEST_CASE("every kernel template compiles with every catalogue variant for sm_80
   }
 }
 
-TEST_CASE("generated code for random mods compiles with NVRTC", "[jit]") {
+// Declarations for random mods: every capture dtype, ranks 1-4, every dim symbol, both param
+// types.
+static dsl::Decls random_mod_decls() {
   dsl::Decls decls;
   decls.captures.push_back({"f", dsl::DType::F32, {{dsl::Dim::H}}});
   decls.captures.push_back({"h", dsl::DType::F16, {{dsl::Dim::Fixed, 4}, {dsl::Dim::QLen}}});
@@ -609,6 +611,11 @@ TEST_CASE("generated code for random mods compiles with NVRTC", "[jit]") {
        {{dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::H}}});
   decls.params.push_back({"pf", dsl::Type::Float, 0, false});
   decls.params.push_back({"pi", dsl::Type::Int, 0, false});
+  return decls;
+}
+
+TEST_CASE("generated code for random mods compiles with NVRTC", "[jit]") {
+  const dsl::Decls decls = random_mod_decls();
   dsl::testing::RandomExprOptions sopt;
   sopt.decls = &decls;
   sopt.inputs[0] = true;
@@ -870,18 +877,8 @@ TEST_CASE("mods_eval on the GPU matches the interpreter bit for bit on random mo
     return;
   }
   detail::VariantImpl base;
-  dsl::Decls& decls = base.decls;
-  decls.captures.push_back({"f", dsl::DType::F32, {{dsl::Dim::H}}});
-  decls.captures.push_back({"h", dsl::DType::F16, {{dsl::Dim::Fixed, 4}, {dsl::Dim::QLen}}});
-  decls.captures.push_back({"bf", dsl::DType::BF16, {{dsl::Dim::KvLen}}});
-  decls.captures.push_back(
-      {"i", dsl::DType::I32, {{dsl::Dim::B}, {dsl::Dim::Fixed, 3}, {dsl::Dim::Fixed, 2}}});
-  decls.captures.push_back(
-      {"m",
-       dsl::DType::Bool,
-       {{dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::Fixed, 2}, {dsl::Dim::H}}});
-  decls.params.push_back({"pf", dsl::Type::Float, 0, false});
-  decls.params.push_back({"pi", dsl::Type::Int, 0, false});
+  base.decls = random_mod_decls();
+  const dsl::Decls& decls = base.decls;
   // Every operation whose float32 result is exactly defined (CUDA's transcendental functions
   // are not the host's), so the device must agree bit for bit.
   dsl::testing::RandomExprOptions sopt;
