@@ -52,13 +52,15 @@ class Deriv {
       // a % b = a - b floor(a/b), and floor is piecewise constant.
       case Op::Mod: return db == kZero ? da : sub(da, mul(g_.binary(Op::FloorDiv, a, b), db));
       case Op::Select: return select(a, db, dc);
-      case Op::Min: return select(g_.binary(Op::Le, a, b), da, db);
-      case Op::Max: return select(g_.binary(Op::Ge, a, b), da, db);
+      // min / max ignore a NaN operand (fminf / fmaxf), and a tie takes the left side: the
+      // derivative follows the operand whose value is returned.
+      case Op::Min: return select(takes_right(Op::Lt, a, b), db, da);
+      case Op::Max: return select(takes_right(Op::Gt, a, b), db, da);
       case Op::Clamp: {
-        // clamp = min(max(a, lo), hi): the value is a inside, hi above, and lo or hi below.
-        const NodeId below = select(g_.binary(Op::Le, b, c), db, dc);
-        const NodeId inside = select(g_.binary(Op::Le, a, c), da, dc);
-        return select(g_.binary(Op::Ge, a, b), inside, below);
+        // clamp(a, lo, hi) = min(max(a, lo), hi).
+        const NodeId m = g_.binary(Op::Max, a, b);
+        const NodeId dm = select(takes_right(Op::Gt, a, b), db, da);
+        return select(takes_right(Op::Lt, m, c), dc, dm);
       }
       case Op::Abs: return mul(g_.unary(Op::Sign, a), da);
       case Op::Exp: return mul(id, da);
@@ -124,6 +126,11 @@ class Deriv {
     if (a == kZero) return kZero;
     if (is_one(b)) return a;
     return g_.binary(Op::Div, a, b);
+  }
+  // Whether min (cmp = Lt) / max (cmp = Gt) of (a, b) returns b: b wins the comparison, or a is
+  // NaN.
+  NodeId takes_right(Op cmp, NodeId a, NodeId b) {
+    return g_.binary(Op::Or, g_.binary(cmp, b, a), g_.binary(Op::Ne, a, a));
   }
   NodeId select(NodeId cond, NodeId a, NodeId b) {
     if (a == kZero && b == kZero) return kZero;

@@ -183,7 +183,7 @@ class Lexer {
       ec = std::errc();
     }
     if (ec != std::errc() || ptr != text.data() + text.size() ||
-        std::abs(v) > std::numeric_limits<float>::max()) {
+        !std::isfinite(static_cast<float>(v))) {  // rounds to a finite float32 (3.4028235e38 does)
       error(begin, i_, fmt::format("float literal '{}' is out of range", clip(text)),
             "kernels compute in float32: literals must lie within +-3.4e38 (write inf for infinity)");
       return false;

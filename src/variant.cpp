@@ -214,7 +214,7 @@ void declare(VariantImpl& impl, const std::vector<CaptureSpec>& captures,
       config_error(origin, path + ".default",
                    fmt::format("expected an integer in the int32 range for int param {}, got {}",
                                in_quotes(p.name), v));
-    if (p.type == "float" && !(std::fabs(v) <= FLT_MAX))
+    if (p.type == "float" && !std::isfinite(static_cast<float>(v)))
       config_error(origin, path + ".default",
                    fmt::format("expected a finite float32 value for float param {}, got {}",
                                in_quotes(p.name), v));

@@ -906,7 +906,12 @@ TEST_CASE("derivatives print readably", "[analysis][derive]") {
   CHECK(d_score("score * score") == "score + score");
   CHECK(d_score("exp(score)") == "exp(score)");
   CHECK(d_score("score * scale") == "scale");
-  CHECK(d_score("clamp(score, -3.0, 4.0)") == "score >= -3.0 && score <= 4.0 ? 1.0 : 0.0");
+  // clamp = min(max(score, lo), hi) with fminf / fmaxf's NaN rule: a NaN score clamps to lo.
+  CHECK(d_score("clamp(score, -3.0, 4.0)") ==
+        "4.0 < max(score, -3.0) || max(score, -3.0) != max(score, -3.0) || (-3.0 > score || "
+        "score != score) ? 0.0 : 1.0");
+  // A NaN operand of max is ignored, so the derivative follows the other one.
+  CHECK(d_score("max(score, 0.0 * inf)") == "nan > score || score != score ? 0.0 : 1.0");
   CHECK(d_score("abs(score)") == "sign(score)");
   CHECK(d_score("pow(score, 2.0)") == "2.0 * pow(score, 1.0)");
 

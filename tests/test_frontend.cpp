@@ -830,6 +830,7 @@ TEST_CASE("lexical errors", "[frontend]") {
       {"1e > 0", "invalid number '1e'"},
       {"1.2.3 > 0", "invalid number '1.2.3'"},
       {"1e39 > 0", "float literal '1e39' is out of range"},
+      {"3.4028236e38 > 0", "float literal '3.4028236e38' is out of range"},
       {"1e400 > 0", "float literal '1e400' is out of range"},
       {"q_idx @ 2", "invalid character '@'"},
       {"q_idx > 'a'", "invalid character '''"},
@@ -838,6 +839,8 @@ TEST_CASE("lexical errors", "[frontend]") {
       {"q_idx.x > 1", "invalid character '.'"},
       {"q_idx > 1 {}", "invalid character '{'"},
   });
+  // numpy's float32 max (3.4028235e38, above FLT_MAX as a double) rounds to it: accepted.
+  CHECK(score("min(score, 3.4028235e38)").graph.size() > 0);
   // 1e-400 underflows to zero, like float32 would.
   CHECK(text(score("score + 1e-400")) == "score + 0.0");
   CHECK(text(score("score * 3.4e38")) == "score * 3.4e+38");
