@@ -133,6 +133,35 @@ void check_qkv(const char* name, const TensorView& t, DType dtype) {
     fail(fmt::format("{}: data must be 16-byte aligned", name));
 }
 
+// No elements (tested per dim: numel() can overflow on shapes not yet bounded).
+bool is_empty(const TensorView& t) {
+  return std::find(t.shape.begin(), t.shape.end(), 0) != t.shape.end();
+}
+
+bool overlap(const TensorView& a, const TensorView& b) {
+  if (is_empty(a) || is_empty(b)) return false;
+  const auto [alo, ahi] = span_of(a);
+  const auto [blo, bhi] = span_of(b);
+  return alo <= bhi && blo <= ahi;
+}
+
+// Whether two elements of `t` share memory: with the dims of size > 1 ordered by stride, each
+// stride must step past everything the smaller ones span (a sufficient test; it admits every
+// permutation of a packed layout and rejects stride 0 broadcasts).
+bool self_overlaps(const TensorView& t) {
+  if (is_empty(t)) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // stride, size
+  for (size_t i = 0; i < t.rank(); ++i)
+    if (t.shape[i] > 1) dims.emplace_back(t.stride(i), t.shape[i]);
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // elements spanned by the dims so far, minus one
+  for (auto [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += (size - 1) * stride;
+  }
+  return false;
+}
+
 void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len, int64_t kv_len,
                       const detail::FwdConfig& c) {
   if (bm.q_len() != q_len || bm.kv_len() != kv_len)
@@ -170,12 +199,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
   if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
     fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
-  for (const TensorView* in : {&k, &v}) {
-    const auto [lo, hi] = span_of(*in);
-    const auto [olo, ohi] = span_of(out);
-    if (q_len > 0 && in->numel() > 0 && olo <= hi && lo <= ohi)
-      fail(fmt::format("out overlaps {}", in == &k ? "k" : "v"));
-  }
+  // Checked on the int64: the cast for fwd_config would wrap 2^32 + 128 to 128.
+  if (D != 32 && D != 64 && D != 96 && D != 128 && D != 256)
+    fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128 or 256)", D));
   const detail::FwdConfig cfg = detail::fwd_config(static_cast<int>(D));
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
@@ -188,6 +214,16 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       fail(fmt::format("lse must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}", B,
                        Hq, q_len, l.describe()));
   }
+  // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
+  // an output sharing memory with another operand, gives a result that depends on block order.
+  if (self_overlaps(out))
+    fail(fmt::format("out has elements that share memory (a stride 0 or too small); {}",
+                     out.describe()));
+  for (auto [name, in] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
+    if (overlap(out, *in)) fail(fmt::format("out overlaps {}", name));
+  if (opts.lse)
+    for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}})
+      if (overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
   if (opts.block_mask) check_block_mask(*opts.block_mask, B, Hq, q_len, kv_len, cfg);
 
   const detail::VariantImpl& impl = variant.impl();

@@ -99,6 +99,10 @@ std::vector<const TensorView*> resolve_captures(
     if (to_dsl(t.dtype) != d.dtype)
       throw Error(fmt::format("{} is {}; its declaration says {}", arg, dtype_name(t.dtype),
                               dsl::dtype_name(d.dtype)));
+    // A misaligned capture faults on the device and poisons the context.
+    if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+      throw Error(fmt::format("{}: data is not aligned to its {}-byte elements", arg,
+                              dtype_size(t.dtype)));
     std::vector<int64_t> want;
     std::vector<std::string> dim_names;
     for (const dsl::Dim& dim : d.dims) {

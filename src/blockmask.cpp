@@ -20,6 +20,21 @@ void check_geometry(std::string_view what,
       throw Error(fmt::format("{}: {} = {} is not in [1, {}]", what, name, value, kMaxInt));
 }
 
+void check_tile_grid(std::string_view what, int64_t nb, int64_t nh, int64_t q_len, int64_t kv_len,
+                     int64_t q_tile, int64_t kv_tile) {
+  const int64_t nqt = (q_len + q_tile - 1) / q_tile, nkt = (kv_len + kv_tile - 1) / kv_tile;
+  check_geometry(what, {{"q_len rounded up to whole tiles", nqt * q_tile},
+                        {"kv_len rounded up to whole tiles", nkt * kv_tile}});
+  // The lists hold groups * num_q_tiles * num_kv_tiles int32 entries, four times over.
+  constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+  int64_t groups = 0, rows = 0, cols = 0, tiles = 0;
+  if (__builtin_mul_overflow(nb, nh, &groups) || __builtin_mul_overflow(groups, nqt, &rows) ||
+      __builtin_mul_overflow(groups, nkt, &cols) || __builtin_mul_overflow(rows, nkt, &tiles) ||
+      rows > kMaxInt || cols > kMaxInt || tiles > (int64_t(1) << 36))
+    throw Error(fmt::format("{}: {} x {} x {} x {} tiles are too many; use larger tiles", what, nb,
+                            nh, nqt, nkt));
+}
+
 }  // namespace detail
 
 namespace {
@@ -109,6 +124,7 @@ BlockMask BlockMask::from_kv_blocks(int64_t nb, int64_t nh, int64_t q_len, int64
                                 {"kv_len", kv_len},
                                 {"q_tile", q_tile},
                                 {"kv_tile", kv_tile}});
+  detail::check_tile_grid(what, nb, nh, q_len, kv_len, q_tile, kv_tile);
   auto s = new_state(nb, nh, q_len, kv_len, q_tile, kv_tile);
   const int64_t nqt = s->nqt, nkt = s->nkt, rows = nb * nh * nqt;
   auto fail = [&](const std::string& msg) { throw Error(fmt::format("{}: {}", what, msg)); };
@@ -190,6 +206,8 @@ const FlexcBlockMask& BlockMask::device_view(CUstream_st* stream) const {
     v->q_tile = int(s_->q_tile), v->kv_tile = int(s_->kv_tile);
     s_->view = std::move(v);
   }
+  // On every call: each caller's stream must see the lists complete, not only the first's.
+  detail::wait_written(*s_->device, stream);
   return *s_->view;
 }
 

@@ -72,10 +72,14 @@ void resolve_captures(MaskProblem& p, const BlockMaskOptions& opts) {
                           c.shape.size()));
     for (int64_t s : c.strides)
       if (s < 0) fail(p, fmt::format("capture '{}': negative stride {}", d.name, s));
+    // A misaligned device copy faults in the build kernel and poisons the context.
+    const DType dtype = parse_dtype(dsl::dtype_name(d.dtype));
+    if (reinterpret_cast<uintptr_t>(c.device) % dtype_size(dtype) != 0)
+      fail(p, fmt::format("capture '{}': the device copy is not aligned to its {}-byte elements",
+                          d.name, dtype_size(dtype)));
     p.captures[slot] = dsl::HostTensor{d.dtype, c.host, c.shape, c.strides};
     p.capture_shapes[slot] = c.shape;
-    p.device_captures[slot] = TensorView{const_cast<void*>(c.device),
-                                         parse_dtype(dsl::dtype_name(d.dtype)), c.shape, c.strides};
+    p.device_captures[slot] = TensorView{const_cast<void*>(c.device), dtype, c.shape, c.strides};
   }
 }
 
@@ -100,18 +104,11 @@ MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_le
                         {"kv_tile", p.kv_tile}});
   p.nqt = (q_len + p.q_tile - 1) / p.q_tile;
   p.nkt = (kv_len + p.kv_tile - 1) / p.kv_tile;
-  check_geometry(what, {{"q_len rounded up to whole tiles", p.nqt * p.q_tile},
-                        {"kv_len rounded up to whole tiles", p.nkt * p.kv_tile}});
 
   const dsl::Deps deps = dsl::dependencies(*p.mask, p.mask->root);
   p.nb = deps.reads(dsl::Input::B) ? B : 1;
   p.nh = deps.reads(dsl::Input::H) ? H : 1;
-  // The lists hold groups * num_q_tiles * num_kv_tiles int32 entries, four times over.
-  constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-  if (p.groups() * p.nqt > kMaxInt || p.groups() * p.nkt > kMaxInt ||
-      p.tiles() > (int64_t(1) << 36))
-    fail(p, fmt::format("{} x {} x {} x {} tiles are too many; use larger tiles", p.nb, p.nh, p.nqt,
-                        p.nkt));
+  check_tile_grid(what, p.nb, p.nh, q_len, kv_len, p.q_tile, p.kv_tile);
   p.read_captures = deps.captures;
   p.params = resolve_params(impl, opts.params, what);
   resolve_captures(p, opts);

@@ -24,6 +24,18 @@ struct DeviceMask {
   jit::DeviceBuffer buf;
   ListLayout at{};
   CUstream_st* stream = nullptr;  // the stream that wrote it
+  CUevent_st* written = nullptr;  // recorded on `stream` after the last write
+
+  DeviceMask() = default;
+  DeviceMask(const DeviceMask&) = delete;
+  DeviceMask& operator=(const DeviceMask&) = delete;
+  ~DeviceMask() {
+    // The driver is loaded whenever an event exists; nothing useful to do with an error here.
+    if (written) try {
+        jit::driver("destroying a CUDA event").cuEventDestroy(written);
+      } catch (...) {
+      }
+  }
 };
 
 namespace {
@@ -93,7 +105,20 @@ int64_t stride_blocks(int64_t n, int64_t per_block) {
   return std::min((n + per_block - 1) / per_block, int64_t(1) << 20);
 }
 
+// Marks the end of the writes enqueued on m.stream, for readers on other streams.
+void record_written(DeviceMask& m, std::string_view doing) {
+  const jit::DriverApi& d = jit::driver(doing);
+  jit::check(d.cuEventCreate(&m.written, CU_EVENT_DISABLE_TIMING), doing);
+  jit::check(d.cuEventRecord(m.written, m.stream), doing);
+}
+
 }  // namespace
+
+void wait_written(const DeviceMask& m, CUstream_st* stream) {
+  if (stream == m.stream || !m.written) return;
+  const std::string doing = "ordering a BlockMask's use after its build";
+  jit::check(jit::driver(doing).cuStreamWaitEvent(stream, m.written, 0), doing);
+}
 
 std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a,
                                          CUstream_st* stream) {
@@ -171,6 +196,7 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
   launch(lists, row_blocks + col_blocks, kListThreads, stream,
          {&grid, &groups, &nqt, &nkt, &row_blocks, &ptrs[0], &ptrs[1], &ptrs[2], &ptrs[3], &ptrs[4],
           &ptrs[5], &ptrs[6], &ptrs[7]});
+  record_written(*m, doing);
   return m;
 }
 
@@ -191,6 +217,7 @@ std::shared_ptr<DeviceMask> upload_mask(const BlockMask::Host& h, int64_t groups
   put(h.q_idx, m->at.q_idx);
   put(h.full_q_num, m->at.full_q_num);
   put(h.full_q_idx, m->at.full_q_idx);
+  record_written(*m, "uploading a BlockMask");
   return m;
 }
 

@@ -43,6 +43,12 @@ struct MaskProblem {
 void check_geometry(std::string_view what,
                     std::initializer_list<std::pair<const char*, int64_t>> values);
 
+// Throws flexc::Error "<what>: ..." unless the tile grid fits the kernels' int32 indexing: the
+// lengths rounded up to whole tiles, groups * tiles per side, and the tile count (at most 2^36,
+// the host grid's bytes). Sizes as check_geometry admits them; products are overflow-checked.
+void check_tile_grid(std::string_view what, int64_t nb, int64_t nh, int64_t q_len, int64_t kv_len,
+                     int64_t q_tile, int64_t kv_tile);
+
 MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
                             const BlockMaskOptions& opts);
 
@@ -116,6 +122,9 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
 std::shared_ptr<DeviceMask> upload_mask(const BlockMask::Host& h, int64_t groups, int64_t nqt,
                                         int64_t nkt, CUstream_st* stream);
 BlockMask::Host download_mask(const DeviceMask& d, int64_t groups, int64_t nqt, int64_t nkt);
+// Makes `stream` wait for the writes of the build / upload when they were enqueued on another
+// stream (a mask built on stream A and used by attention on stream B).
+void wait_written(const DeviceMask& d, CUstream_st* stream);
 // Device pointers of the eight arrays, filled into `view` (sizes and tiles are set by the caller).
 void fill_view(const DeviceMask& d, FlexcBlockMask& view);
 

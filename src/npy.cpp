@@ -2,6 +2,7 @@
 // literal header padded to 64 bytes, then the raw little-endian data).
 #include "flexc/npy.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <fmt/format.h>
@@ -67,8 +68,11 @@ const char* descr_of(DType d) {
 }  // namespace
 
 int64_t Array::numel() const {
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, d, &n))
+      throw Error(fmt::format("npy::Array: shape of {} dims overflows int64", shape.size()));
   return n;
 }
 
@@ -154,10 +158,16 @@ Array read(const std::filesystem::path& path) {
     if (comma == std::string::npos) break;
     at = comma + 1;
   }
-  const int64_t n = a.numel();
-  if (file.size() - data_at < static_cast<size_t>(n) * dd->file_size)
-    fail(path, fmt::format("truncated: {} elements of {} bytes need {} bytes of data, the file has {}",
-                           n, dd->file_size, n * dd->file_size, file.size() - data_at));
+  // Count in checked arithmetic against what the file holds: a corrupt shape must not wrap the
+  // byte count (and pass the size check) or ask for an allocation that cannot be made.
+  const size_t have = file.size() - data_at;
+  const bool empty = std::find(a.shape.begin(), a.shape.end(), 0) != a.shape.end();
+  int64_t n = empty ? 0 : 1;
+  for (int64_t d : a.shape)
+    if (!empty &&
+        (__builtin_mul_overflow(n, d, &n) || static_cast<uint64_t>(n) > have / dd->file_size))
+      fail(path, fmt::format("truncated: shape {} needs more than the {} bytes of data the file has",
+                             shape_text, have));
   const char* data = file.data() + data_at;
   a.bytes.resize(n * dtype_size(a.dtype));
   if (dd->file_size == dtype_size(a.dtype)) {

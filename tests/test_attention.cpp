@@ -275,6 +275,21 @@ TEST_CASE(".npy files round-trip and bad ones are named", "[npy]") {
   CHECK_THROWS_WITH(npy::read(dir / "be.npy"), Contains("dtype '>f4' is not supported"));
   raw("tr.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (3, 4), }", std::string(20, '\0'));
   CHECK_THROWS_WITH(npy::read(dir / "tr.npy"), Contains("truncated"));
+  // Corrupt shapes whose element count overflows: (2^62 + 1) * 4 bytes wraps to 4 in size_t,
+  // which the data would satisfy; others would overflow int64 or ask for an impossible vector.
+  raw("wrap.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387905,), }",
+      std::string(4, '\0'));
+  CHECK_THROWS_WITH(npy::read(dir / "wrap.npy"), Contains("wrap.npy: truncated"));
+  raw("huge.npy",
+      "{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 4294967296, 3), }",
+      std::string(8, '\0'));
+  CHECK_THROWS_WITH(npy::read(dir / "huge.npy"), Contains("huge.npy: truncated"));
+  raw("big.npy", "{'descr': '|b1', 'fortran_order': False, 'shape': (9223372036854775807,), }",
+      std::string(8, '\0'));
+  CHECK_THROWS_AS(npy::read(dir / "big.npy"), Error);
+  raw("empty.npy", "{'descr': '<f4', 'fortran_order': False, 'shape': (9223372036854775807, 0), }",
+      "");
+  CHECK(npy::read(dir / "empty.npy").numel() == 0);
   std::ofstream(dir / "junk.npy") << "hello";
   CHECK_THROWS_WITH(npy::read(dir / "junk.npy"), Contains("junk.npy: not a .npy file"));
   CHECK_THROWS_WITH(npy::read(dir / "missing.npy"), Contains("cannot open"));
@@ -340,6 +355,32 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(q, k, TensorView{out.data, out.dtype, {1, 4, 17, 64}, {}}),
              Contains("out must have q's shape"));
   CHECK_THAT(err(q, k, TensorView{k.data, k.dtype, q.shape, {}}), Contains("out overlaps k"));
+  // D is checked before the int cast that would make 2^32 + 128 look like 128.
+  const int64_t wide = (int64_t(1) << 32) + 128;
+  CHECK_THAT(err(t({1, 4, 16, wide}), TensorView{k.data, k.dtype, {1, 2, 32, wide}, {}},
+                 TensorView{out.data, out.dtype, {1, 4, 16, wide}, {}}),
+             Contains("flexc::attention: q: head dim 4294967424 is not supported"));
+  // out must not overlap itself (rows closer than D, a stride 0 over several heads), q or lse.
+  CHECK_THAT(err(q, k, TensorView{out.data, out.dtype, q.shape, {4096, 1024, 32, 1}}),
+             Contains("out has elements that share memory"));
+  CHECK_THAT(err(q, k, TensorView{out.data, out.dtype, q.shape, {1024, 0, 64, 1}}),
+             Contains("out has elements that share memory"));
+  CHECK_THAT(err(q, k, TensorView{q.data, q.dtype, q.shape, {}}), Contains("out overlaps q"));
+  {
+    AttentionOptions lo;
+    lo.lse = TensorView{out.data, DType::F32, {1, 4, 16}, {}};
+    CHECK_THAT(err(q, k, out, lo), Contains("lse overlaps out"));
+    lo.lse = TensorView{mk.data() + 8, DType::F32, {1, 4, 16}, {}};
+    CHECK_THAT(err(q, k, out, lo), Contains("lse overlaps k"));
+    // A permuted [B, SEQ, H, D] out and a stride 0 over a dim of size 1 pass the overlap checks
+    // (the block mask check after them fails, so nothing reaches the GPU).
+    const std::vector<int32_t> one1{1}, zero1{0};
+    const BlockMask bad_len = BlockMask::from_kv_blocks(1, 1, 16, 33, 128, 128, one1, zero1);
+    lo = {};
+    lo.block_mask = &bad_len;
+    CHECK_THAT(err(q, k, TensorView{out.data, out.dtype, q.shape, {0, 64, 256, 1}}, lo),
+               Contains("block_mask was built for"));
+  }
   std::vector<float> lse_mem(64);
   AttentionOptions o;
   o.lse = TensorView{lse_mem.data(), DType::F32, {1, 4, 15}, {}};
@@ -363,6 +404,11 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
              Contains("capture 'slope' has shape [2]; its declaration [H] needs [4]"));
   o.captures["slope"] = TensorView::contiguous(slope.data(), DType::BF16, {4});
   CHECK_THAT(err(q, k, out, o, &alibi), Contains("capture 'slope' is bf16; its declaration says float32"));
+  // Misaligned for float32: would fault on the device; caught before any launch.
+  o.captures["slope"] = TensorView::contiguous(reinterpret_cast<char*>(slope.data()) + 2,
+                                               DType::F32, {4});
+  CHECK_THAT(err(q, k, out, o, &alibi),
+             Contains("capture 'slope': data is not aligned to its 4-byte elements"));
   o.captures.clear();
   o.captures["slop"] = TensorView::contiguous(slope.data(), DType::F32, {4});
   CHECK_THAT(err(q, k, out, o, &alibi), Contains("no capture 'slop' (did you mean 'slope'?)"));

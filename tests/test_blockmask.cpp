@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cstring>
 #include <fmt/format.h>
+#include <limits>
 #include <random>
 
 #include "blockmask_impl.h"
@@ -516,6 +517,18 @@ TEST_CASE("params and captures: values, defaults and errors", "[blockmask]") {
   wrong.captures["doc"] = CaptureData{nullptr, nullptr, {64}, {}};
   CHECK_THAT(error_of([&] { create_block_mask(d, 1, 1, 64, 64, wrong); }),
              Catch::Contains("capture 'doc': the host copy is required"));
+  // A misaligned device copy would fault in the build kernel: refused up front.
+  wrong.captures["doc"] =
+      CaptureData{ids.data(), reinterpret_cast<const void*>(uintptr_t(0x10002)), {64}, {}};
+  CHECK_THAT(error_of([&] { create_block_mask(d, 1, 1, 64, 64, wrong); }),
+             Catch::Contains("capture 'doc': the device copy is not aligned to its 4-byte"));
+  // Tile grids past the int32 lists (or int64 products) are refused before anything is built.
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  BlockMaskOptions tile1;
+  tile1.device = BuildDevice::Cpu;
+  tile1.q_tile = tile1.kv_tile = 1;
+  CHECK_THAT(error_of([&] { create_block_mask(w, 1, 1, kMax, kMax, tile1); }),
+             Catch::Contains("tiles are too many"));
   // Captures only the score_mod reads are not needed: alibi's slope.
   BlockMaskOptions doc_only;
   doc_only.device = BuildDevice::Cpu;
@@ -573,6 +586,21 @@ TEST_CASE("from_kv_blocks: round trip and validation", "[blockmask]") {
   CHECK_THAT(
       error_of(num, idx, clash_num, clash),
       Catch::Contains("kv tile 1 of row 2") && Catch::Contains("both as partial and as full"));
+  // The same tile-grid guard as create_block_mask: nb * nh * tiles would overflow int64 here.
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  auto huge = [&](int64_t nb, int64_t nh, int64_t q_len, int64_t kv_len, int64_t q_tile,
+                  int64_t kv_tile) {
+    try {
+      BlockMask::from_kv_blocks(nb, nh, q_len, kv_len, q_tile, kv_tile, {}, {});
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(huge(kMax, kMax, kMax, kMax, 1, 1),
+             Catch::Contains("from_kv_blocks: ") && Catch::Contains("tiles are too many"));
+  CHECK_THAT(huge(1, 1, 1 << 20, 1 << 20, 1, 1), Catch::Contains("tiles are too many"));
+  CHECK_THAT(huge(1, 1, kMax, 8, 2, 8), Catch::Contains("q_len rounded up to whole tiles"));
 }
 
 TEST_CASE("the GPU kernels compile with NVRTC", "[blockmask]") {

@@ -184,7 +184,12 @@ EventTimer::EventTimer() {
   const DriverApi& d = driver("creating CUDA events");
   current_context();
   check(d.cuEventCreate(&start_, CU_EVENT_DEFAULT), "creating a CUDA event");
-  check(d.cuEventCreate(&stop_, CU_EVENT_DEFAULT), "creating a CUDA event");
+  const CUresult r = d.cuEventCreate(&stop_, CU_EVENT_DEFAULT);
+  if (r != CUDA_SUCCESS) {
+    d.cuEventDestroy(start_);  // the destructor does not run for a throwing constructor
+    start_ = nullptr;
+    check(r, "creating a CUDA event");
+  }
 }
 
 EventTimer::~EventTimer() {

@@ -266,10 +266,15 @@ class Jit {
       const std::string& image = got.entry->cubin.empty() ? got.entry->ptx : got.entry->cubin;
       CUmodule mod = nullptr;
       check(d.cuModuleLoadData(&mod, image.c_str()), doing);
-      CUfunction fn = nullptr;
-      check(d.cuModuleGetFunction(&fn, mod, p.spec.entry.c_str()),
-            fmt::format("{}: finding its entry '{}'", doing, p.spec.entry));
-      it = modules_.emplace(id, std::make_unique<Kernel>(fn, p.what)).first;
+      try {
+        CUfunction fn = nullptr;
+        check(d.cuModuleGetFunction(&fn, mod, p.spec.entry.c_str()),
+              fmt::format("{}: finding its entry '{}'", doing, p.spec.entry));
+        it = modules_.emplace(id, std::make_unique<Kernel>(fn, p.what)).first;
+      } catch (...) {
+        d.cuModuleUnload(mod);  // kept modules are never unloaded; a failed one must not leak
+        throw;
+      }
     }
     if (fast_.size() >= kMaxMemo) fast_.clear();
     fast_.insert_or_assign(fast_id, Fast{p.variant, it->second.get()});
