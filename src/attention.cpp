@@ -11,6 +11,7 @@
 #include "../templates/attention_params.cuh"
 #include "attention_args.h"
 #include "attention_kernel.h"
+#include "blockmask_impl.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
 
@@ -256,7 +257,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   FlexcArgs args = detail::kernel_args(impl, params, captures);
   FlexcBlockMask bm{};
-  if (opts.block_mask) bm = opts.block_mask->device_view(opts.stream);
+  if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
   void* argv[] = {&p, &args, &bm};
   kernel.launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),
                 unsigned(cfg.threads()), cfg.smem_bytes, opts.stream, argv);

@@ -42,6 +42,17 @@ dsl::DType to_dsl(DType d) {
   return dsl::DType::F32;
 }
 
+DType from_dsl(dsl::DType d) {
+  switch (d) {
+    case dsl::DType::BF16: return DType::BF16;
+    case dsl::DType::F16: return DType::F16;
+    case dsl::DType::F32: return DType::F32;
+    case dsl::DType::I32: return DType::I32;
+    case dsl::DType::Bool: return DType::Bool;
+  }
+  return DType::F32;
+}
+
 std::vector<double> resolve_params(const VariantImpl& v,
                                    const std::map<std::string, double, std::less<>>& by_name,
                                    std::string_view what) {
@@ -69,16 +80,48 @@ std::vector<double> resolve_params(const VariantImpl& v,
   return values;
 }
 
+void check_capture_name(const VariantImpl& v, std::string_view name, std::string_view what) {
+  std::vector<std::string> names;
+  for (const auto& d : v.decls.captures) names.push_back(d.name);
+  if (std::find(names.begin(), names.end(), name) == names.end())
+    throw Error(fmt::format("{}: '{}' declares no capture '{}'{}", what, v.name, name,
+                            suggestion(name, names)));
+}
+
+void check_capture(const dsl::CaptureDecl& d, const TensorView& t, const CallDims& dims,
+                   std::string_view what, std::string_view data_name) {
+  const std::string arg = fmt::format("{}: capture '{}'", what, d.name);
+  if (to_dsl(t.dtype) != d.dtype)
+    throw Error(fmt::format("{} is {}; its declaration says {}", arg, dtype_name(t.dtype),
+                            dsl::dtype_name(d.dtype)));
+  // A misaligned capture faults on the device and poisons the context.
+  if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+    throw Error(fmt::format("{}: {} is not aligned to its {}-byte elements", arg, data_name,
+                            dtype_size(t.dtype)));
+  std::vector<int64_t> want;
+  std::vector<std::string> dim_names;
+  for (const dsl::Dim& dim : d.dims) {
+    want.push_back(resolve_dim(dim, dims));
+    dim_names.push_back(dsl::dim_name(dim));
+  }
+  if (t.shape != want)
+    throw Error(fmt::format("{} has shape [{}]; its declaration [{}] needs [{}]", arg,
+                            fmt::join(t.shape, ", "), fmt::join(dim_names, ", "),
+                            fmt::join(want, ", ")));
+  if (!t.strides.empty() && t.strides.size() != t.shape.size())
+    throw Error(fmt::format("{}: {} strides for rank {}", arg, t.strides.size(), t.rank()));
+  for (int64_t s : t.strides)
+    if (s < 0) throw Error(fmt::format("{}: negative stride {}", arg, s));
+  for (int64_t n : t.shape)
+    if (n > std::numeric_limits<int32_t>::max())
+      throw Error(fmt::format("{}: dimension {} exceeds int32", arg, n));
+}
+
 std::vector<const TensorView*> resolve_captures(
     const VariantImpl& v, const std::map<std::string, TensorView, std::less<>>& by_name,
     const CallDims& dims, std::string_view what) {
+  for (const auto& [name, view] : by_name) check_capture_name(v, name, what);
   const auto& decls = v.decls.captures;
-  std::vector<std::string> names;
-  for (const auto& d : decls) names.push_back(d.name);
-  for (const auto& [name, view] : by_name)
-    if (std::find(names.begin(), names.end(), name) == names.end())
-      throw Error(fmt::format("{}: '{}' declares no capture '{}'{}", what, v.name, name,
-                              suggestion(name, names)));
   std::vector<bool> read(decls.size());
   for (const dsl::Mod* m : {&v.score, &v.mask})
     for (uint16_t slot : dsl::dependencies(m->graph, m->graph.root).captures) read[slot] = true;
@@ -94,32 +137,9 @@ std::vector<const TensorView*> resolve_captures(
       continue;
     }
     const TensorView& t = it->second;
-    const std::string arg = fmt::format("{}: capture '{}'", what, d.name);
-    if (t.data == nullptr) throw Error(fmt::format("{} has no data", arg));
-    if (to_dsl(t.dtype) != d.dtype)
-      throw Error(fmt::format("{} is {}; its declaration says {}", arg, dtype_name(t.dtype),
-                              dsl::dtype_name(d.dtype)));
-    // A misaligned capture faults on the device and poisons the context.
-    if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
-      throw Error(fmt::format("{}: data is not aligned to its {}-byte elements", arg,
-                              dtype_size(t.dtype)));
-    std::vector<int64_t> want;
-    std::vector<std::string> dim_names;
-    for (const dsl::Dim& dim : d.dims) {
-      want.push_back(resolve_dim(dim, dims));
-      dim_names.push_back(dsl::dim_name(dim));
-    }
-    if (t.shape != want)
-      throw Error(fmt::format("{} has shape [{}]; its declaration [{}] needs [{}]", arg,
-                              fmt::join(t.shape, ", "), fmt::join(dim_names, ", "),
-                              fmt::join(want, ", ")));
-    if (!t.strides.empty() && t.strides.size() != t.shape.size())
-      throw Error(fmt::format("{}: {} strides for rank {}", arg, t.strides.size(), t.rank()));
-    for (int64_t s : t.strides)
-      if (s < 0) throw Error(fmt::format("{}: negative stride {}", arg, s));
-    for (int64_t n : t.shape)
-      if (n > std::numeric_limits<int32_t>::max())
-        throw Error(fmt::format("{}: dimension {} exceeds int32", arg, n));
+    if (t.data == nullptr)
+      throw Error(fmt::format("{}: capture '{}' has no data", what, d.name));
+    check_capture(d, t, dims, what);
     out[slot] = &t;
   }
   return out;

@@ -35,10 +35,21 @@ std::vector<const TensorView*> resolve_captures(
     const VariantImpl& v, const std::map<std::string, TensorView, std::less<>>& by_name,
     const CallDims& dims, std::string_view what);
 
+// Throws flexc::Error "<what>: '<variant>' declares no capture '<name>'" (with a suggestion)
+// unless `v` declares a capture `name`.
+void check_capture_name(const VariantImpl& v, std::string_view name, std::string_view what);
+
+// Checks one capture against its declaration: dtype, shape (its dims resolved by `dims`),
+// strides (one per dim, none negative), dims within int32, and `t.data` aligned to its elements
+// (`data_name` names that pointer in the message). Throws flexc::Error "<what>: capture '...' ...".
+void check_capture(const dsl::CaptureDecl& d, const TensorView& t, const CallDims& dims,
+                   std::string_view what, std::string_view data_name = "data");
+
 // The kernels' argument block: captures (device views) and runtime params by slot.
 FlexcArgs kernel_args(const VariantImpl& v, std::span<const double> params,
                       std::span<const TensorView* const> captures);
 
 dsl::DType to_dsl(DType d);
+DType from_dsl(dsl::DType d);
 
 }  // namespace flexc::detail

@@ -191,26 +191,6 @@ const BlockMask::Host& BlockMask::host() const {
   return *s_->host;
 }
 
-const FlexcBlockMask& BlockMask::device_view(CUstream_st* stream) const {
-  std::lock_guard lock(s_->mu);
-  if (!s_->view) {
-    if (!s_->device) {
-      if (!jit::gpu_available())
-        throw Error("BlockMask::device_view: no GPU is available to hold the BlockMask");
-      s_->device = detail::upload_mask(*s_->host, s_->nb * s_->nh, s_->nqt, s_->nkt, stream);
-    }
-    auto v = std::make_unique<FlexcBlockMask>();
-    detail::fill_view(*s_->device, *v);
-    v->nb = int(s_->nb), v->nh = int(s_->nh);
-    v->num_q_tiles = int(s_->nqt), v->num_kv_tiles = int(s_->nkt);
-    v->q_tile = int(s_->q_tile), v->kv_tile = int(s_->kv_tile);
-    s_->view = std::move(v);
-  }
-  // On every call: each caller's stream must see the lists complete, not only the first's.
-  detail::wait_written(*s_->device, stream);
-  return *s_->view;
-}
-
 TileKind BlockMask::tile(int64_t b, int64_t h, int64_t qt, int64_t kt) const {
   if (b < 0 || h < 0 || qt < 0 || qt >= s_->nqt || kt < 0 || kt >= s_->nkt)
     throw Error(fmt::format("BlockMask::tile({}, {}, {}, {}): out of range (tiles {} x {})", b, h,
@@ -293,3 +273,28 @@ std::string BlockMask::to_string(int64_t max_rows, int64_t max_cols, int64_t max
 }
 
 }  // namespace flexc
+
+namespace flexc::detail {
+
+const FlexcBlockMask& device_view(const BlockMask& m, CUstream_st* stream) {
+  BlockMask::State& s = m.state();
+  std::lock_guard lock(s.mu);
+  if (!s.view) {
+    if (!s.device) {
+      if (!jit::gpu_available())
+        throw Error("device_view: no GPU is available to hold the BlockMask");
+      s.device = upload_mask(*s.host, s.nb * s.nh, s.nqt, s.nkt, stream);
+    }
+    auto v = std::make_unique<FlexcBlockMask>();
+    fill_view(*s.device, *v);
+    v->nb = int(s.nb), v->nh = int(s.nh);
+    v->num_q_tiles = int(s.nqt), v->num_kv_tiles = int(s.nkt);
+    v->q_tile = int(s.q_tile), v->kv_tile = int(s.kv_tile);
+    s.view = std::move(v);
+  }
+  // On every call: each caller's stream must see the lists complete, not only the first's.
+  wait_written(*s.device, stream);
+  return *s.view;
+}
+
+}  // namespace flexc::detail

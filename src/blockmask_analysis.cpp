@@ -5,13 +5,11 @@
 #include <bit>
 #include <cmath>
 #include <deque>
-#include <ranges>
 #include <fmt/format.h>
 #include <limits>
 
 #include "attention_args.h"
 #include "blockmask_impl.h"
-#include "dsl/diagnostics.h"
 #include "flexc/error.h"
 #include "variant_impl.h"
 
@@ -22,31 +20,10 @@ namespace {
   throw Error(fmt::format("create_block_mask for '{}': {}", p.variant_name, msg));
 }
 
-int64_t resolve_dim(const dsl::Dim& d, const MaskProblem& p) {
-  switch (d.kind) {
-    case dsl::Dim::Fixed: return d.extent;
-    case dsl::Dim::B: return p.B;
-    case dsl::Dim::H: return p.H;
-    case dsl::Dim::QLen: return p.q_len;
-    case dsl::Dim::KvLen: return p.kv_len;
-  }
-  return 0;
-}
-
-std::string shape_text(std::span<const int64_t> s) {
-  return fmt::format("[{}]", fmt::join(s, ", "));
-}
-
-void resolve_captures(MaskProblem& p, const BlockMaskOptions& opts) {
+void resolve_captures(MaskProblem& p, const VariantImpl& impl, const BlockMaskOptions& opts,
+                      std::string_view what) {
+  for (const auto& [name, c] : opts.captures) check_capture_name(impl, name, what);
   const auto& decls = p.decls->captures;
-  std::vector<std::string> names;
-  for (const auto& d : decls) names.push_back(d.name);
-  for (const auto& [name, c] : opts.captures) {
-    if (std::find(names.begin(), names.end(), name) != names.end()) continue;
-    const std::string near = dsl::closest_name(name, names);
-    fail(p, fmt::format("the variant declares no capture '{}'{}", name,
-                        near.empty() ? "" : fmt::format(" (did you mean '{}'?)", near)));
-  }
   p.captures.resize(decls.size());
   p.capture_shapes.resize(decls.size());
   p.device_captures.resize(decls.size());
@@ -60,26 +37,12 @@ void resolve_captures(MaskProblem& p, const BlockMaskOptions& opts) {
     if (!c.host)
       fail(p,
            fmt::format("capture '{}': the host copy is required (the analysis reads it)", d.name));
-    std::vector<int64_t> want;
-    for (const auto& dim : d.dims) want.push_back(resolve_dim(dim, p));
-    if (c.shape != want)
-      fail(p, fmt::format("capture '{}' has shape {}; its declaration [{}] needs {}", d.name,
-                          shape_text(c.shape),
-                          fmt::join(d.dims | std::views::transform(dsl::dim_name), ", "),
-                          shape_text(want)));
-    if (!c.strides.empty() && c.strides.size() != c.shape.size())
-      fail(p, fmt::format("capture '{}': {} strides for rank {}", d.name, c.strides.size(),
-                          c.shape.size()));
-    for (int64_t s : c.strides)
-      if (s < 0) fail(p, fmt::format("capture '{}': negative stride {}", d.name, s));
-    // A misaligned device copy faults in the build kernel and poisons the context.
-    const DType dtype = parse_dtype(dsl::dtype_name(d.dtype));
-    if (reinterpret_cast<uintptr_t>(c.device) % dtype_size(dtype) != 0)
-      fail(p, fmt::format("capture '{}': the device copy is not aligned to its {}-byte elements",
-                          d.name, dtype_size(dtype)));
+    // The device copy is optional (null passes); when given, it is what must be aligned.
+    const TensorView device{const_cast<void*>(c.device), from_dsl(d.dtype), c.shape, c.strides};
+    check_capture(d, device, CallDims{p.B, p.H, p.q_len, p.kv_len}, what, "the device copy");
     p.captures[slot] = dsl::HostTensor{d.dtype, c.host, c.shape, c.strides};
     p.capture_shapes[slot] = c.shape;
-    p.device_captures[slot] = TensorView{const_cast<void*>(c.device), dtype, c.shape, c.strides};
+    p.device_captures[slot] = device;
   }
 }
 
@@ -111,7 +74,7 @@ MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_le
   check_tile_grid(what, p.nb, p.nh, q_len, kv_len, p.q_tile, p.kv_tile);
   p.read_captures = deps.captures;
   p.params = resolve_params(impl, opts.params, what);
-  resolve_captures(p, opts);
+  resolve_captures(p, impl, opts, what);
   return p;
 }
 
@@ -204,10 +167,10 @@ std::pair<double, double> CaptureRanges::scan(int64_t r, int64_t lo, int64_t hi)
     case dsl::DType::F32: return minmax(static_cast<const float*>(t_.data), same);
     case dsl::DType::BF16:
       return minmax(static_cast<const uint16_t*>(t_.data),
-                    [](uint16_t x) { return double(std::bit_cast<float>(uint32_t(x) << 16)); });
+                    [](uint16_t x) { return double(bf16_to_float(x)); });
     case dsl::DType::F16:
       return minmax(static_cast<const uint16_t*>(t_.data),
-                    [](uint16_t x) { return double(std::bit_cast<_Float16>(x)); });
+                    [](uint16_t x) { return double(fp16_to_float(x)); });
     case dsl::DType::Bool:
       return minmax(static_cast<const uint8_t*>(t_.data), [](uint8_t x) { return x ? 1.0 : 0.0; });
   }

@@ -17,6 +17,8 @@
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 
+struct FlexcBlockMask;
+
 namespace flexc::detail {
 
 // Everything a builder needs, validated: sizes, param values and captures by slot.
@@ -127,6 +129,10 @@ BlockMask::Host download_mask(const DeviceMask& d, int64_t groups, int64_t nqt, 
 void wait_written(const DeviceMask& d, CUstream_st* stream);
 // Device pointers of the eight arrays, filled into `view` (sizes and tiles are set by the caller).
 void fill_view(const DeviceMask& d, FlexcBlockMask& view);
+
+// The device arrays for the kernels; a mask built on the CPU is uploaded on first use, on
+// `stream`. Valid as long as any copy of `m` lives.
+const FlexcBlockMask& device_view(const BlockMask& m, CUstream_st* stream = nullptr);
 
 }  // namespace flexc::detail
 

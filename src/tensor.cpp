@@ -1,5 +1,6 @@
 #include "flexc/tensor.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <fmt/format.h>
@@ -89,8 +90,13 @@ int64_t TensorView::stride(size_t dim) const {
 }
 
 int64_t TensorView::numel() const {
+  // A zero dim empties the tensor even where the other dims' product would overflow.
+  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, d, &n))
+      throw Error(fmt::format("TensorView {} [{}]: element count overflows int64",
+                              dtype_name(dtype), fmt::join(shape, ", ")));
   return n;
 }
 

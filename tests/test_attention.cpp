@@ -314,6 +314,17 @@ TEST_CASE("16-bit conversions round to nearest even", "[npy]") {
   CHECK(wrong == 0);
 }
 
+TEST_CASE("TensorView::numel refuses counts past int64", "[tensor]") {
+  constexpr int64_t kBig = int64_t(1) << 32;
+  CHECK(TensorView::contiguous(nullptr, DType::F32, {2, 3, 4}).numel() == 24);
+  CHECK(TensorView::contiguous(nullptr, DType::F32, {}).numel() == 1);
+  // A zero dim anywhere empties the tensor, however large the rest.
+  CHECK(TensorView::contiguous(nullptr, DType::F32, {kBig, kBig, 0}).numel() == 0);
+  CHECK_THROWS_WITH(TensorView::contiguous(nullptr, DType::BF16, {kBig, kBig}).numel(),
+                    Catch::Contains("bf16 [4294967296, 4294967296]") &&
+                        Catch::Contains("overflows int64"));
+}
+
 // ---- validation and configuration (CI: everything here fails before any GPU work)
 
 TEST_CASE("flexc::attention names the bad argument", "[attention]") {

@@ -637,7 +637,7 @@ TEST_CASE("GPU builder == CPU reference over the catalogue", "[blockmask][gpu]")
         CHECK(same(gpu, ref));
       }
       // The device view of a CPU-built mask is an upload of the same lists.
-      const FlexcBlockMask& view = ref.device_view();
+      const FlexcBlockMask& view = detail::device_view(ref);
       CHECK(view.num_kv_tiles == ref.num_kv_tiles());
       CHECK(view.kv_num != nullptr);
     }

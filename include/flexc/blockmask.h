@@ -6,7 +6,7 @@
 //   empty   - true on none (the kernel never loads it).
 // Elements past q_len / kv_len never count: an edge tile is full when every in-range element is
 // true, and the kernels mask the out-of-range part by length themselves.
-// The layout on the device is FlexAttention's (struct FlexcBlockMask, templates/flexc_hooks.cuh).
+// The lists are FlexAttention's; the kernels' device view of them is internal to flexc.
 // See docs/blockmask.md.
 #pragma once
 
@@ -21,7 +21,6 @@
 #include "flexc/variant.h"
 
 struct CUstream_st;
-struct FlexcBlockMask;
 
 namespace flexc {
 
@@ -70,7 +69,7 @@ struct BlockMaskStats {
 
 class BlockMask {
  public:
-  // The eight arrays of struct FlexcBlockMask, on the host. Rows are (bb * nh + hh) * num_q_tiles
+  // The eight lists the kernels read, on the host. Rows are (bb * nh + hh) * num_q_tiles
   // + qt, columns (bb * nh + hh) * num_kv_tiles + kt; list entries past a row's count are 0.
   struct Host {
     std::vector<int32_t> kv_num, kv_idx, full_kv_num, full_kv_idx;
@@ -98,10 +97,6 @@ class BlockMask {
 
   // Host copy; a mask built on the GPU is downloaded on first use (waiting for the build).
   const Host& host() const;
-  // Device arrays for the kernels; a mask built on the CPU is uploaded on first use, on `stream`.
-  // Valid as long as any copy of this BlockMask lives.
-  const FlexcBlockMask& device_view(CUstream_st* stream = nullptr) const;
-
   // The tile at (b, h, q tile, kv tile); b and h are taken modulo nb / nh (broadcast).
   TileKind tile(int64_t b, int64_t h, int64_t qt, int64_t kt) const;
   int64_t count(TileKind k) const;
@@ -114,6 +109,8 @@ class BlockMask {
 
   struct State;  // defined in src/blockmask_impl.h
   explicit BlockMask(std::shared_ptr<State> s) : s_(std::move(s)) {}
+  // For flexc's internals (detail::device_view); State is opaque outside src/.
+  State& state() const { return *s_; }
 
  private:
   std::shared_ptr<State> s_;

@@ -36,6 +36,7 @@ struct TensorView {
 
   size_t rank() const { return shape.size(); }
   int64_t stride(size_t dim) const;  // resolves empty strides
+  // Throws flexc::Error naming the tensor's dtype and shape when the count overflows int64.
   int64_t numel() const;
   // "bf16 [2, 8, 1024, 128] strides [1048576, 131072, 128, 1]"
   std::string describe() const;
