@@ -10,6 +10,7 @@
 #include "dsl/analysis.h"
 #include "dsl/frontend.h"
 #include "random_expr.h"
+#include "test_random.h"
 
 using namespace flexc::dsl;
 
@@ -20,14 +21,7 @@ constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 r = [] {
-    const uint64_t seed = std::random_device{}();
-    WARN("test_analysis random seed: " << seed);
-    return std::mt19937_64(seed);
-  }();
-  return r;
-}
+using flexc::testing::rng;
 double uniform(double lo, double hi) {
   return std::uniform_real_distribution<double>(lo, hi)(rng());
 }

@@ -21,6 +21,7 @@
 #include "flexc/variant.h"
 #include "jit/driver.h"
 #include "jit/jit.h"
+#include "test_random.h"
 
 using namespace flexc;
 using Catch::Matchers::Contains;
@@ -30,14 +31,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 r = [] {
-    const uint64_t seed = std::random_device{}();
-    WARN("test_attention random seed: " << seed);
-    return std::mt19937_64(seed);
-  }();
-  return r;
-}
+using flexc::testing::rng;
 
 float round16(DType d, float x) {
   return d == DType::BF16 ? bf16_to_float(float_to_bf16(x)) : fp16_to_float(float_to_fp16(x));

@@ -18,15 +18,13 @@
 #include "random_expr.h"
 #include "jit/abi.h"
 #include "variant_impl.h"
+#include "test_random.h"
 
 using namespace flexc;
 
 namespace {
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 r(std::random_device{}());
-  return r;
-}
+using flexc::testing::rng;
 int64_t uniform(int64_t lo, int64_t hi) {
   return std::uniform_int_distribution<int64_t>(lo, hi)(rng());
 }

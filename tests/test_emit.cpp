@@ -20,6 +20,7 @@
 #include "dsl/emit_cuda.h"
 #include "dsl/frontend.h"
 #include "random_expr.h"
+#include "test_random.h"
 
 using namespace flexc::dsl;
 using flexc::dsl::testing::RandomExpr;
@@ -28,14 +29,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 r = [] {
-    const uint64_t seed = std::random_device{}();
-    WARN("test_emit random seed: " << seed);
-    return std::mt19937_64(seed);
-  }();
-  return r;
-}
+using flexc::testing::rng;
 
 struct Parsed {
   Decls decls;

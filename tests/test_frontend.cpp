@@ -12,6 +12,7 @@
 #include "dsl/diagnostics.h"
 #include "dsl/analysis.h"
 #include "dsl/frontend.h"
+#include "test_random.h"
 
 using namespace flexc::dsl;
 
@@ -328,7 +329,7 @@ class RandomSource {
   std::vector<Let> lets_;
 };
 
-uint64_t fresh_seed() { return std::random_device{}(); }
+using flexc::testing::fresh_seed;
 
 }  // namespace
 

@@ -13,6 +13,7 @@
 #include "dsl/analysis.h"
 #include "dsl/frontend.h"
 #include "random_expr.h"
+#include "test_random.h"
 
 using namespace flexc::dsl;
 
@@ -21,11 +22,7 @@ namespace {
 constexpr int64_t kIntMin = std::numeric_limits<int32_t>::min();
 constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
 
-uint64_t fresh_seed(const char* what) {
-  const uint64_t seed = std::random_device{}();
-  WARN(what << " random seed: " << seed);
-  return seed;
-}
+using flexc::testing::fresh_seed;
 
 // Captured tensors held for both the interpreter (HostTensor) and capture_range (min / max over
 // an index box).
@@ -210,7 +207,7 @@ TEST_CASE("interval verdicts are sound on random masks and boxes", "[interval]")
   opt.decls = &decls;
   opt.int_lo = -6;
   opt.int_hi = 12;
-  testing::RandomExpr gen(fresh_seed("interval soundness"), opt);
+  testing::RandomExpr gen(fresh_seed(), opt);
   World w;
   std::vector<Value> scratch;
   int64_t checked = 0, decided = 0;
@@ -418,7 +415,7 @@ TEST_CASE("the catalogue's masks are decided on every tile they do not cut", "[i
        "abs(q_idx // width - kv_idx // width) <= radius",
        false},
   };
-  testing::RandomExpr gen(fresh_seed("interval catalogue"));
+  testing::RandomExpr gen(fresh_seed());
   const std::pair<int64_t, int64_t> sizes[] = {{384, 384}, {300, 520}, {520, 300}, {200, 777}};
   const std::pair<int64_t, int64_t> tiles[] = {{128, 128}, {64, 128}};
   int64_t decided = 0, inexact_tiles = 0, inexact_decided = 0;

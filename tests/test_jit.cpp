@@ -32,6 +32,7 @@
 #include "jit/splice.h"
 #include "random_expr.h"
 #include "variant_impl.h"
+#include "test_random.h"
 
 extern char** environ;
 
@@ -41,14 +42,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::mt19937_64& rng() {
-  static std::mt19937_64 r = [] {
-    const uint64_t seed = std::random_device{}();
-    WARN("test_jit random seed: " << seed);
-    return std::mt19937_64(seed);
-  }();
-  return r;
-}
+using flexc::testing::rng;
 
 // Sets (or, with nullptr, unsets) an environment variable for the scope.
 class ScopedEnv {
