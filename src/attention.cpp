@@ -1,4 +1,5 @@
-// flexc::attention: validation, kernel choice, launch. The kernel is templates/attention_fwd.cuh.
+// flexc::attention: validation, kernel choice, launch. The kernels are templates/attention_fwd.cuh
+// (portable) and templates/attention_fwd_sm90.cuh (Hopper).
 #include "flexc/attention.h"
 
 #include <algorithm>
@@ -36,9 +37,9 @@ FwdConfig fwd_config(int head_dim) {
   switch (head_dim) {
     case 32:
     case 64:
-    case 128: c = {128, 64, 4, 2, 0}; break;
-    case 96: c = {64, 64, 4, 2, 0}; break;
-    case 256: c = {64, 32, 4, 2, 0}; break;
+    case 128: c = {false, 128, 64, 128, 2, 0}; break;
+    case 96: c = {false, 64, 64, 128, 2, 0}; break;
+    case 256: c = {false, 64, 32, 128, 2, 0}; break;
     default:
       throw Error(fmt::format("head dim {} is not supported (32, 64, 96, 128 or 256)", head_dim));
   }
@@ -46,23 +47,58 @@ FwdConfig fwd_config(int head_dim) {
   return c;
 }
 
+bool sm90_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+FwdConfig fwd_config_sm90(int head_dim) {
+  // Two warpgroups of 64 query rows, 128-wide kv tiles (the default BlockMask tile), K and V in
+  // two stages each; +1024 bytes to align the tiles for wgmma's swizzle (docs/perf.md).
+  if (!sm90_supports(head_dim))
+    throw Error(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", head_dim));
+  FwdConfig c{true, 128, 128, 256, 2, 0};
+  c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) + 1024;
+  return c;
+}
+
 }  // namespace detail
 
 namespace jit {
 
+namespace {
+
+void check_dtype(std::string_view kernel, const KernelConfig& cfg) {
+  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
+    throw Error(fmt::format("{}: dtype '{}' is not supported (bf16 or fp16)", kernel, cfg.dtype));
+}
+
+}  // namespace
+
 KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
   const detail::FwdConfig c = detail::fwd_config(cfg.head_dim);
-  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
-    throw Error(fmt::format("attention_fwd: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
+  check_dtype("attention_fwd", cfg);
   return {"attention_fwd.cuh",
           "flexc_attention_fwd",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
            {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_WARPS", std::to_string(c.warps)},
+           {"FLEXC_WARPS", std::to_string(c.threads / 32)},
            {"FLEXC_STAGES", std::to_string(c.stages)}},
           cfg.arch};
+}
+
+KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
+  const detail::FwdConfig c = detail::fwd_config_sm90(cfg.head_dim);
+  check_dtype("attention_fwd_sm90", cfg);
+  // wgmma exists only in the arch-specific sm_90a target.
+  if (!cfg.arch.empty() && cfg.arch != "sm_90" && cfg.arch != "sm_90a")
+    throw Error(fmt::format("attention_fwd_sm90 is built for sm_90a (wgmma); not for '{}'",
+                            cfg.arch));
+  return {"attention_fwd_sm90.cuh",
+          "flexc_attention_fwd_sm90",
+          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+           {"FLEXC_BLOCK_N", std::to_string(c.block_n)}},
+          "sm_90a"};
 }
 
 }  // namespace jit
@@ -163,6 +199,10 @@ bool self_overlaps(const TensorView& t) {
   return false;
 }
 
+bool tiles_fit(const BlockMask& bm, const detail::FwdConfig& c) {
+  return bm.q_tile() % c.block_m == 0 && bm.kv_tile() % c.block_n == 0;
+}
+
 void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len, int64_t kv_len,
                       const detail::FwdConfig& c) {
   if (bm.q_len() != q_len || bm.kv_len() != kv_len)
@@ -173,7 +213,7 @@ void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len,
   if (bm.nh() != 1 && bm.nh() != Hq)
     fail(fmt::format("block_mask has {} heads; the call has {} query heads (1 broadcasts)",
                      bm.nh(), Hq));
-  if (bm.q_tile() % c.block_m != 0 || bm.kv_tile() % c.block_n != 0)
+  if (!tiles_fit(bm, c))
     fail(fmt::format("block_mask tiles {} x {} must be multiples of the kernel's {} x {}",
                      bm.q_tile(), bm.kv_tile(), c.block_m, c.block_n));
 }
@@ -203,7 +243,14 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // Checked on the int64: the cast for fwd_config would wrap 2^32 + 128 to 128.
   if (D != 32 && D != 64 && D != 96 && D != 128 && D != 256)
     fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128 or 256)", D));
-  const detail::FwdConfig cfg = detail::fwd_config(static_cast<int>(D));
+  const detail::FwdConfig portable = detail::fwd_config(static_cast<int>(D));
+  if (opts.kernel == FwdKernel::Hopper) {
+    if (!detail::sm90_supports(int(D)))
+      fail(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", D));
+    if (opts.block_mask && !tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D))))
+      fail(fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
+                       opts.block_mask->q_tile(), opts.block_mask->kv_tile()));
+  }
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
@@ -225,7 +272,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (opts.lse)
     for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}})
       if (overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
-  if (opts.block_mask) check_block_mask(*opts.block_mask, B, Hq, q_len, kv_len, cfg);
+  if (opts.block_mask) check_block_mask(*opts.block_mask, B, Hq, q_len, kv_len, portable);
 
   const detail::VariantImpl& impl = variant.impl();
   const std::string what = fmt::format("flexc::attention for '{}'", impl.name);
@@ -238,12 +285,24 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (dev.major < 8)
     fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
                      dev.major, dev.minor));
+  // The Hopper kernel where it runs and has the head dim (and the BlockMask's tiles split into
+  // its 128 x 128 ones, which the default tiles do); the portable one elsewhere.
+  const bool sm90 = dev.major == 9 && dev.minor == 0;
+  if (opts.kernel == FwdKernel::Hopper && !sm90)
+    fail(fmt::format("the Hopper kernel needs a GPU of compute capability 9.0; this one is {}.{}",
+                     dev.major, dev.minor));
+  const bool hopper =
+      opts.kernel == FwdKernel::Hopper ||
+      (opts.kernel == FwdKernel::Auto && sm90 && detail::sm90_supports(int(D)) &&
+       (!opts.block_mask || tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D)))));
+  const detail::FwdConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
 
+  const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
   const jit::Kernel& kernel = jit::get_kernel(
-      variant, jit::attention_fwd_spec({"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)}));
+      variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
   FlexcAttentionParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;
   p.lse = opts.lse ? static_cast<float*>(opts.lse->data) : nullptr;
@@ -260,7 +319,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
   void* argv[] = {&p, &args, &bm};
   kernel.launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),
-                unsigned(cfg.threads()), cfg.smem_bytes, opts.stream, argv);
+                unsigned(cfg.threads), cfg.smem_bytes, opts.stream, argv);
 }
 
 }  // namespace flexc

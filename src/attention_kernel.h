@@ -1,5 +1,6 @@
-// The forward attention kernel's compile-time configuration (templates/attention_fwd.cuh), chosen
-// per head dim, and its KernelSpec for the JIT.
+// The forward attention kernels' compile-time configurations, chosen per head dim, and their
+// KernelSpecs for the JIT: templates/attention_fwd.cuh (portable, mma.sync, sm_80+) and
+// templates/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a).
 #pragma once
 
 #include <cstddef>
@@ -9,13 +10,17 @@
 namespace flexc::detail {
 
 struct FwdConfig {
-  int block_m, block_n, warps, stages;
-  size_t smem_bytes;  // dynamic shared memory per CTA
-  int threads() const { return warps * 32; }
+  bool hopper = false;  // attention_fwd_sm90.cuh
+  int block_m = 0, block_n = 0, threads = 0, stages = 0;
+  size_t smem_bytes = 0;  // dynamic shared memory per CTA
 };
 
-// Throws flexc::Error for a head dim the kernel does not support.
+// The portable kernel's configuration. Throws flexc::Error for a head dim it does not support.
 FwdConfig fwd_config(int head_dim);
+// The Hopper kernel's; throws flexc::Error for a head dim it does not support.
+FwdConfig fwd_config_sm90(int head_dim);
+// Whether the Hopper kernel has a configuration for this head dim.
+bool sm90_supports(int head_dim);
 
 }  // namespace flexc::detail
 
@@ -24,5 +29,8 @@ namespace flexc::jit {
 // templates/attention_fwd.cuh for cfg.dtype and cfg.head_dim:
 //   flexc_attention_fwd(FlexcAttentionParams p, FlexcArgs args, FlexcBlockMask bm)
 KernelSpec attention_fwd_spec(const KernelConfig& cfg);
+// templates/attention_fwd_sm90.cuh, same arguments, built for sm_90a (cfg.arch empty, sm_90 or
+// sm_90a; anything else is an error).
+KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg);
 
 }  // namespace flexc::jit

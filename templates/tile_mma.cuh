@@ -1,4 +1,4 @@
-// Warp-level tile primitives for the sm_80+ attention kernels: cp.async copies into swizzled
+// Warp-level tile primitives for the attention kernels (sm_80+): cp.async copies into swizzled
 // shared-memory tiles, ldmatrix fragment loads, mma.sync m16n8k16 (bf16 / fp16 in, fp32
 // accumulate) and fp32 -> 16-bit packing. Inline PTX only, so NVRTC needs no CUDA header.
 //
@@ -18,8 +18,10 @@ namespace flexc_tile {
 template <int ROWS, int COLS>
 struct SmemTile {
   static_assert(COLS % 32 == 0, "tile width must be a multiple of 32 elements");
+  static constexpr int kRows = ROWS;
   static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
   static constexpr int kRowBytes = COLS * 2;
+  static constexpr int kRowStride = kRowBytes;  // bytes from a row to the next
   static constexpr int kBytes = ROWS * kRowBytes;
 
   // The XOR key of row `r`. Rows of a multiple of 128 bytes: 8 consecutive rows span the 8
@@ -93,17 +95,18 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// One thread's share of copying a ROWS x COLS tile, set up once per kernel so that each tile
-// copy costs a pointer add and a compare per 16-byte chunk. The row stride comes with each call
-// (a kernel parameter: no register is held for it), so one TileCopy serves K and V. When the
-// block's threads cover whole rows and a thread's rows are a multiple of 8 apart, a thread always
-// copies the same chunk column with the same swizzle, so its shared-memory offsets differ by
-// constants; other shapes (head dim 96) recompute the position of each chunk.
-template <int ROWS, int COLS, int THREADS>
+// One thread's share of copying a tile (SmemTile, or Sw128Tile of tile_wgmma.cuh), set up once
+// per kernel so that each tile copy costs a pointer add and a compare per 16-byte chunk. The row
+// stride comes with each call (a kernel parameter: no register is held for it), so one TileCopy
+// serves K and V. When the block's threads cover whole rows and a thread's rows are a multiple of
+// 8 apart, a thread always copies the same chunk column with the same swizzle, so its
+// shared-memory offsets differ by constants; other shapes (head dim 96) recompute the position of
+// each chunk.
+template <class Tile, int THREADS>
 struct TileCopy {
-  using Tile = SmemTile<ROWS, COLS>;
-  static constexpr int kPerThread = ROWS * Tile::kChunks / THREADS;
-  static_assert(kPerThread * THREADS == ROWS * Tile::kChunks, "tile chunks must split evenly");
+  static constexpr int kPerThread = Tile::kRows * Tile::kChunks / THREADS;
+  static_assert(kPerThread * THREADS == Tile::kRows * Tile::kChunks,
+                "tile chunks must split evenly");
   static constexpr bool kRegular =
       THREADS % Tile::kChunks == 0 && (THREADS / Tile::kChunks) % 8 == 0;
   static constexpr int kRowStep = kRegular ? THREADS / Tile::kChunks : 0;
@@ -113,13 +116,13 @@ struct TileCopy {
   unsigned dst;  // its shared-memory offset
 
   __device__ __forceinline__ TileCopy() {
-    const int t = static_cast<int>(threadIdx.x);
+    const int t = static_cast<int>(threadIdx.x) % THREADS;
     row = t / Tile::kChunks;
     col = (t % Tile::kChunks) * 8;
     dst = Tile::offset(row, t % Tile::kChunks);
   }
 
-  // Copies rows [row0, row0 + ROWS) of the matrix at `base` (row stride `stride` elements) into
+  // Copies rows [row0, row0 + kRows) of the matrix at `base` (row stride `stride` elements) into
   // `tile`; rows >= len become zeros.
   __device__ __forceinline__ void operator()(unsigned tile, const unsigned short* base,
                                              long long stride, int row0, int len) const {
@@ -128,13 +131,13 @@ struct TileCopy {
       const unsigned short* p = base + (row0 + row) * stride + col;
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i, p += kRowStep * stride) {
-        cp_async_16(tile + dst + i * kRowStep * Tile::kRowBytes, p, row + i * kRowStep < rows_left);
+        cp_async_16(tile + dst + i * kRowStep * Tile::kRowStride, p, row + i * kRowStep < rows_left);
       }
     } else {
       const unsigned short* first = base + row0 * stride;
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
-        const int idx = i * THREADS + static_cast<int>(threadIdx.x);
+        const int idx = i * THREADS + static_cast<int>(threadIdx.x) % THREADS;
         const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
         cp_async_16(tile + Tile::offset(r, c), first + r * stride + c * 8, r < rows_left);
       }

@@ -13,6 +13,7 @@
 #include <ranges>
 
 #include "attention_kernel.h"
+#include "dsl/emit_cuda.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/error.h"
@@ -20,8 +21,11 @@
 #include "flexc/reference.h"
 #include "flexc/variant.h"
 #include "jit/driver.h"
+#include "jit/compiler.h"
+#include "jit/driver_api.h"
 #include "jit/jit.h"
 #include "test_random.h"
+#include "variant_impl.h"
 
 using namespace flexc;
 using Catch::Matchers::Contains;
@@ -431,6 +435,16 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   const BlockMask small = BlockMask::from_kv_blocks(1, 1, 16, 32, 64, 128, one, zero);
   o.block_mask = &small;
   CHECK_THAT(err(q, k, out, o), Contains("block_mask tiles 64 x 128 must be multiples of the kernel's 128 x 64"));
+  // Forcing the Hopper kernel: its tiles and head dims, checked before any GPU work.
+  const BlockMask narrow = BlockMask::from_kv_blocks(1, 1, 16, 32, 128, 64, one, zero);
+  o.block_mask = &narrow;
+  o.kernel = FwdKernel::Hopper;
+  CHECK_THAT(err(q, k, out, o),
+             Contains("block_mask tiles 128 x 64 must be multiples of the Hopper kernel's 128 x 128"));
+  o.block_mask = nullptr;
+  CHECK_THAT(err(t({1, 4, 16, 32}), TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}},
+                 TensorView{out.data, out.dtype, {1, 4, 16, 32}, {}}, o),
+             Contains("the Hopper kernel has no head dim 32 (64 or 128)"));
 }
 
 TEST_CASE("the forward kernel has a configuration per head dim and compiles for each",
@@ -438,7 +452,7 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
   for (int d : {32, 64, 96, 128, 256}) {
     const detail::FwdConfig c = detail::fwd_config(d);
     INFO("D " << d);
-    CHECK(c.block_m % (16 * c.warps) == 0);
+    CHECK(c.block_m % (16 * (c.threads / 32)) == 0);
     CHECK(c.block_n % 16 == 0);
     CHECK(c.smem_bytes <= 163 * 1024);  // fits an A100's opt-in shared memory (sm_80)
     CHECK(128 % c.block_m == 0);        // the default BlockMask tile splits into kernel tiles
@@ -450,8 +464,10 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
   const Variant v = Variant::from_strings("score + 0.5 * bias[h % 2]", "q_idx >= kv_idx",
                                           {{"bias", "float32", {"2"}}});
   std::vector<jit::KernelSpec> specs;
-  for (const char* dtype : {"bf16", "fp16"})
+  for (const char* dtype : {"bf16", "fp16"}) {
     for (int d : {32, 64, 96, 128, 256}) specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, d}));
+    for (int d : {64, 128}) specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, d}));
+  }
   const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
   for (size_t i = 0; i < out.size(); ++i) {
     INFO(fmt::format("{}", fmt::join(specs[i].defines | std::views::transform([](auto& p) {
@@ -459,8 +475,33 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
                                      }),
                                      " ")));
     CHECK(out[i].cubin.size() > 0);
-    CHECK(out[i].ptx.find("mma.sync.aligned.m16n8k16") != std::string::npos);
+    const bool hopper = specs[i].arch == "sm_90a";
+    CHECK(out[i].ptx.find(hopper ? "wgmma.mma_async" : "mma.sync.aligned.m16n8k16") !=
+          std::string::npos);
     CHECK(out[i].ptx.find("cp.async") != std::string::npos);
+  }
+}
+
+TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and spills nothing, every variant",
+          "[attention][catalogue]") {
+  // ptxas serializes wgmma (warnings C7513 / C7514) when registers a running wgmma uses are
+  // touched; the kernel then still works but loses its overlap. Checked here, without a GPU.
+  for (const std::string& name : Variant::catalogue_names()) {
+    const Variant v = Variant::from_catalogue(name);
+    for (int d : {64, 128}) {
+      const jit::KernelSpec spec = jit::attention_fwd_sm90_spec({"sm_90", "bf16", d});
+      const detail::VariantImpl& impl = v.impl();
+      const std::string header =
+          dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name});
+      std::vector<std::string> options = jit::nvrtc_options(spec.arch, spec.defines);
+      options.push_back("--ptxas-options=-v");
+      const jit::NvrtcOutput out = jit::nvrtc_compile(jit::splice(spec.template_name, header),
+                                                      options, {"compiling", header});
+      INFO(name << " D " << d << "\n" << out.log);
+      CHECK(out.log.find("Used ") != std::string::npos);  // the statistics are there to read
+      CHECK(out.log.find("C751") == std::string::npos);
+      CHECK(out.log.find(" 0 bytes spill stores") != std::string::npos);
+    }
   }
 }
 
@@ -505,11 +546,15 @@ struct GpuCase {
   int64_t pad = 0;          // extra elements per sequence step in the device layout
   bool block_mask = true;   // build one (when the mask is not `true`)
   std::map<std::string, double, std::less<>> params;
+  FwdKernel kernel = FwdKernel::Auto;
 
   std::string describe() const {
-    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}", dtype_name(dtype), B,
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}", dtype_name(dtype), B,
                        Hq, Hkv, Lq, Lkv, D, bshd ? " bshd" : "", pad ? " padded" : "",
-                       block_mask ? "" : " dense");
+                       block_mask ? "" : " dense",
+                       kernel == FwdKernel::Portable ? " portable"
+                       : kernel == FwdKernel::Hopper ? " hopper"
+                                                     : "");
   }
   // Device strides of a [B, H, S, D] tensor.
   std::vector<int64_t> strides(int64_t H, int64_t S) const {
@@ -567,6 +612,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
   }
   opts.params = ref.params = bmo.params = c.params;
   opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
+  opts.kernel = c.kernel;
   std::optional<BlockMask> bm;
   if (c.block_mask && !v.mask_always_true()) {
     bm = create_block_mask(v, c.B, c.Hq, c.Lq, c.Lkv, bmo);
@@ -602,6 +648,13 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
     return;                     \
   }
 
+// The forward kernels this GPU runs for head dim d: the portable one, and on sm_90 the Hopper one.
+std::vector<FwdKernel> kernels_for(int64_t d) {
+  std::vector<FwdKernel> k{FwdKernel::Portable};
+  if (jit::current_arch() == "sm_90" && detail::sm90_supports(int(d))) k.push_back(FwdKernel::Hopper);
+  return k;
+}
+
 }  // namespace
 
 TEST_CASE("every catalogue variant matches the reference: dtypes, head dims, lengths, GQA",
@@ -623,10 +676,13 @@ TEST_CASE("every catalogue variant matches the reference: dtypes, head dims, len
       c.B = c.Lq * c.Lkv < 200000 ? 2 : 1;
       c.bshd = i % 3 == 0;
       c.block_mask = i % 4 != 1;
-      INFO(names[vi] << ": " << c.describe());
-      const Accuracy a = run_case(v, c);
-      INFO(a.summary());
-      CHECK(a.pass);
+      for (FwdKernel kernel : kernels_for(c.D)) {
+        c.kernel = kernel;
+        INFO(names[vi] << ": " << c.describe());
+        const Accuracy a = run_case(v, c);
+        INFO(a.summary());
+        CHECK(a.pass);
+      }
     }
   }
 }
@@ -635,19 +691,23 @@ TEST_CASE("rows with no unmasked element give 0 and -inf, never NaN", "[gpu]") {
   SKIP_WITHOUT_GPU();
   const Variant v = Variant::from_strings("where(q_idx % 5 == 1, -inf, score)", "q_idx % 3 != 0");
   for (DType d : {DType::BF16, DType::F16})
-    for (bool bm : {true, false}) {
-      GpuCase c{d, 2, 4, 2, 300, 200, 128, false, 0, bm, {}};
-      INFO(c.describe());
-      const Accuracy a = run_case(v, c, 1 << 20);
-      INFO(a.summary());
-      CHECK(a.pass);
-      CHECK(a.masked_rows > 0);
-    }
-  GpuCase empty{DType::BF16, 1, 2, 2, 50, 0, 64, false, 0, false, {}};  // no keys at all
-  const Accuracy a = run_case(Variant::from_catalogue("noop"), empty);
-  INFO(a.summary());
-  CHECK(a.pass);
-  CHECK(a.masked_rows == 100);
+    for (bool bm : {true, false})
+      for (FwdKernel kernel : kernels_for(128)) {
+        GpuCase c{d, 2, 4, 2, 300, 200, 128, false, 0, bm, {}, kernel};
+        INFO(c.describe());
+        const Accuracy a = run_case(v, c, 1 << 20);
+        INFO(a.summary());
+        CHECK(a.pass);
+        CHECK(a.masked_rows > 0);
+      }
+  for (FwdKernel kernel : kernels_for(64)) {
+    GpuCase empty{DType::BF16, 1, 2, 2, 50, 0, 64, false, 0, false, {}, kernel};  // no keys at all
+    INFO(empty.describe());
+    const Accuracy a = run_case(Variant::from_catalogue("noop"), empty);
+    INFO(a.summary());
+    CHECK(a.pass);
+    CHECK(a.masked_rows == 100);
+  }
 }
 
 TEST_CASE("params, lengths and capture contents change without recompiling", "[gpu]") {
@@ -675,12 +735,14 @@ TEST_CASE("params, lengths and capture contents change without recompiling", "[g
 TEST_CASE("strides, MQA, per-batch masks and the other head dims", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // document_batched reads b: its BlockMask has nb = B.
-  GpuCase c{DType::F16, 3, 6, 1, 257, 300, 64, true, 8, true, {}};
-  for (const char* name : {"document_batched", "t5_bias", "causal_bottom_right"}) {
-    INFO(name << ": " << c.describe());
-    const Accuracy a = run_case(Variant::from_catalogue(name), c);
-    INFO(a.summary());
-    CHECK(a.pass);
+  for (FwdKernel kernel : kernels_for(64)) {
+    GpuCase c{DType::F16, 3, 6, 1, 257, 300, 64, true, 8, true, {}, kernel};
+    for (const char* name : {"document_batched", "t5_bias", "causal_bottom_right"}) {
+      INFO(name << ": " << c.describe());
+      const Accuracy a = run_case(Variant::from_catalogue(name), c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
   }
   for (int64_t d : {32, 96, 256})
     for (DType t : {DType::BF16, DType::F16})

@@ -130,12 +130,13 @@ def run_peers(reps, only):
 
 
 def run_flexc(cmd):
+    """{kernel: {(case, s, d): result}} from the benchmark's JSON lines."""
     out = subprocess.run(shlex.split(cmd), check=True, capture_output=True, text=True).stdout
     res = {}
     for line in out.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            res[(r["case"], r["s"], r["d"])] = r
+            res.setdefault(r.get("kernel", "auto"), {})[(r["case"], r["s"], r["d"])] = r
     return res
 
 
@@ -148,20 +149,21 @@ def main():
     ours = run_flexc(args.flexc) if args.flexc else {}
     peers = run_peers(args.reps, args.only)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    hdr = f"{'case':15s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} {'cuDNN':>6s} " \
-          f"{'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
+    hdr = f"{'case':15s} {'kernel':8s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} " \
+          f"{'cuDNN':>6s} {'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
     print("TFLOP/s; x PEER = flexc / peer (time ratio)")
     print(hdr)
     for key, row in peers.items():
         name, s, d = key
         tf = row["tflops"]
-        mine = ours.get(key)
-        fmt = lambda x: f"{x:6.1f}" if x is not None and not math.isnan(x) else f"{'-':>6s}"
-        ratio = lambda peer: f"{row[peer] / mine['ms']:.2f}" if mine and peer in row else "-"
-        print(f"{name:15s} {s:5d} {d:3d} {row['density']:6.3f} "
-              f"{fmt(mine['tflops'] if mine else None)} {fmt(tf.get('sdpa_flash'))} "
-              f"{fmt(tf.get('sdpa_cudnn'))} {fmt(tf.get('flex'))} {ratio('sdpa_flash'):>6s} "
-              f"{ratio('sdpa_cudnn'):>7s} {ratio('flex'):>6s}")
+        for kernel in ours or {"-": {}}:
+            mine = ours.get(kernel, {}).get(key)
+            fmt = lambda x: f"{x:6.1f}" if x is not None and not math.isnan(x) else f"{'-':>6s}"
+            ratio = lambda peer: f"{row[peer] / mine['ms']:.2f}" if mine and peer in row else "-"
+            print(f"{name:15s} {kernel:8s} {s:5d} {d:3d} {row['density']:6.3f} "
+                  f"{fmt(mine['tflops'] if mine else None)} {fmt(tf.get('sdpa_flash'))} "
+                  f"{fmt(tf.get('sdpa_cudnn'))} {fmt(tf.get('flex'))} {ratio('sdpa_flash'):>6s} "
+                  f"{ratio('sdpa_cudnn'):>7s} {ratio('flex'):>6s}")
 
 
 if __name__ == "__main__":

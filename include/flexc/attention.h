@@ -21,6 +21,12 @@ struct CUstream_st;
 
 namespace flexc {
 
+// Which forward kernel runs (docs/attention.md). Auto: the Hopper kernel (wgmma) on a GPU of
+// compute capability 9.0 for head dims 64 and 128 with BlockMask tiles that are multiples of
+// 128 x 128 (the default), the portable kernel (mma.sync, sm_80+) otherwise. Portable and Hopper
+// force one; forcing the Hopper kernel where it cannot run is an error.
+enum class FwdKernel { Auto, Portable, Hopper };
+
 struct AttentionOptions {
   // The tiles to compute, from create_block_mask of the same variant (same lengths; nb / nh 1 or
   // B / Hq; tile sizes multiples of the kernel's, which the default 128 x 128 is). Without one
@@ -38,6 +44,7 @@ struct AttentionOptions {
   // (natural log; -inf for a row with no unmasked element, whose output is 0).
   std::optional<TensorView> lse;
   CUstream_st* stream = nullptr;  // the caller's stream; nullptr: the legacy default stream
+  FwdKernel kernel = FwdKernel::Auto;
 };
 
 // Enqueues the kernel on opts.stream (compiling it on first use: later calls with the same

@@ -257,17 +257,16 @@ NvrtcOutput nvrtc_compile(const Unit& unit, const std::vector<std::string>& opti
   const nvrtcResult r = nvrtcCompileProgram(prog.p, static_cast<int>(opts.size()), opts.data());
   NvrtcOutput out;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (r != NVRTC_SUCCESS) {
-    size_t n = 0;
-    nvrtcGetProgramLogSize(prog.p, &n);
-    std::string log(n, '\0');
-    if (n) nvrtcGetProgramLog(prog.p, log.data());
-    while (!log.empty() && log.back() == '\0') log.pop_back();
-    if (r != NVRTC_ERROR_COMPILATION)
-      throw Error(fmt::format("{}: {}\n{}", ctx.what, nvrtcGetErrorString(r), log));
-    throw Error(explain_nvrtc_log(log, ctx));
-  }
   size_t n = 0;
+  nvrtcGetProgramLogSize(prog.p, &n);
+  out.log.assign(n, '\0');
+  if (n) nvrtcGetProgramLog(prog.p, out.log.data());
+  while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
+  if (r != NVRTC_SUCCESS) {
+    if (r != NVRTC_ERROR_COMPILATION)
+      throw Error(fmt::format("{}: {}\n{}", ctx.what, nvrtcGetErrorString(r), out.log));
+    throw Error(explain_nvrtc_log(out.log, ctx));
+  }
   check_nvrtc(nvrtcGetPTXSize(prog.p, &n), ctx.what);
   out.ptx.resize(n);
   check_nvrtc(nvrtcGetPTX(prog.p, out.ptx.data()), ctx.what);

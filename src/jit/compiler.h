@@ -49,6 +49,7 @@ std::string explain_nvrtc_log(std::string_view log, const ErrorContext& ctx);
 struct NvrtcOutput {
   std::string cubin;  // empty for a virtual (compute_XX) architecture
   std::string ptx;
+  std::string log;  // NVRTC's messages (warnings; ptxas statistics with --ptxas-options=-v)
   double seconds = 0;
 };
 // Throws flexc::Error with explain_nvrtc_log's text when the unit does not compile.

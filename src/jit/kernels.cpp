@@ -18,8 +18,10 @@ KernelSpec blockmask_classify_spec(const KernelConfig& cfg) {
 namespace {
 
 constexpr KnownKernel kKernels[] = {
-    {"attention_fwd", "forward attention (FlashAttention-2 structure, sm_80+)",
+    {"attention_fwd", "forward attention (FlashAttention-2 structure, mma.sync, sm_80+)",
      &attention_fwd_spec},
+    {"attention_fwd_sm90", "forward attention for Hopper (wgmma, sm_90a)", &attention_fwd_sm90_spec,
+     "sm_90a"},
     {"mods_eval", "the variant's mods over a grid of indices (tests)", &mods_eval_spec},
     {"blockmask_classify", "BlockMask: mask_mod over the tiles the analysis left undecided",
      &blockmask_classify_spec},
@@ -28,6 +30,11 @@ constexpr KnownKernel kKernels[] = {
 }  // namespace
 
 std::span<const KnownKernel> known_kernels() { return kKernels; }
+
+bool builds_for(const KnownKernel& k, std::string_view arch) {
+  return k.only_arch.empty() || arch == k.only_arch ||
+         (arch.size() + 1 == k.only_arch.size() && k.only_arch.starts_with(arch));
+}
 
 const KnownKernel& find_kernel(std::string_view name) {
   std::string names;

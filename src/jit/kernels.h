@@ -21,11 +21,14 @@ struct KnownKernel {
   std::string_view name;  // "mods_eval", "attention_fwd", ...
   std::string_view description;
   KernelSpec (*spec)(const KernelConfig&);
+  std::string_view only_arch = {};  // "sm_90a": built for that arch alone; empty: any sm_80+
 };
 
 std::span<const KnownKernel> known_kernels();
 // Throws flexc::Error naming the known kernels.
 const KnownKernel& find_kernel(std::string_view name);
+// Whether `k` can be built for `arch` ("sm_90" admits an "sm_90a" kernel: same GPUs).
+bool builds_for(const KnownKernel& k, std::string_view arch);
 
 // templates/mods_eval.cuh: evaluates the variant's hooks over a grid of indices (tests).
 //   flexc_mods_eval(FlexcArgs a, int B, int H, int q0, int nq, int kv0, int nkv, int q_len,

@@ -35,6 +35,7 @@ struct Options {
   uint64_t seed = std::random_device{}();
   bool check = false, dense = false;
   int64_t check_rows = 4096;
+  FwdKernel kernel = FwdKernel::Auto;
 };
 
 // A [B, H, S, D] input on the host: the values the kernel sees (rounded to its dtype) and their
@@ -158,6 +159,7 @@ void run(const Options& o) {
   }
   bmo.params = opts.params;
   opts.scale = o.scale;
+  opts.kernel = o.kernel;
 
   jit::DeviceBuffer dq = upload(q.bits.data(), q.bits.size() * 2);
   jit::DeviceBuffer dk = upload(k.bits.data(), k.bits.size() * 2);
@@ -251,6 +253,10 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--check-rows", o->check_rows,
                   "check at most this many rows, a random sample (default 4096)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--kernel", o->kernel,
+                  "forward kernel: auto (Hopper on sm_90 where it applies), portable or hopper")
+      ->transform(CLI::CheckedTransformer(std::map<std::string, FwdKernel>{
+          {"auto", FwdKernel::Auto}, {"portable", FwdKernel::Portable}, {"hopper", FwdKernel::Hopper}}));
   cmd->add_flag("--dense", o->dense, "no BlockMask: visit every tile, mask_mod on each");
   cmd->callback([o] { run(*o); });
 });

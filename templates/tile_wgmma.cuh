@@ -1,0 +1,171 @@
+// Warpgroup-level primitives for the Hopper kernel (sm_90a): the shared-memory tile layout wgmma
+// reads, its matrix descriptors, and wgmma.mma_async with fp32 accumulators. Inline PTX only.
+//
+// wgmma m64nNk16 is issued by the 4 warps of a warpgroup together; warp w of the group holds
+// rows 16 w .. 16 w + 15 of the 64-row result, in the mma.sync C fragment layout of
+// tile_mma.cuh (n8 column tile j in d[j][0..3]), and an A operand from registers uses the
+// mma.sync A fragment layout. So scores from wgmma feed the same hooks and online softmax as
+// scores from mma.sync, and P goes from the softmax to the next product without leaving
+// registers.
+#pragma once
+
+#include "tile_mma.cuh"
+
+namespace flexc_tile {
+
+// A ROWS x COLS tile of 16-bit elements in the layout wgmma reads with 128-byte swizzling:
+// COLS / 64 panels of ROWS x 64 elements, one 128-byte line per row, each line's 16-byte chunks
+// XOR-permuted by row % 8 (TMA's SWIZZLE_128B pattern). Reads of 8 rows of one chunk column hit 8
+// different bank groups. The tile starts 1024-byte aligned (the swizzle repeats every 8 rows).
+template <int ROWS, int COLS>
+struct Sw128Tile {
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of 8-row groups");
+  static constexpr int kRows = ROWS;
+  static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
+  static constexpr int kRowStride = 128;    // bytes from a row to the next, inside a panel
+  static constexpr int kPanelBytes = ROWS * 128;
+  static constexpr int kBytes = ROWS * COLS * 2;
+
+  // Byte offset of chunk `c` of row `r`.
+  __device__ __forceinline__ static unsigned offset(int r, int c) {
+    return (c >> 3) * kPanelBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  }
+  // Descriptor of the rows [row0, ...) x columns [col0, col0 + 16) of the tile as a K-major
+  // operand (K = columns, contiguous): 8-row groups 1024 bytes apart. Moving along K inside a
+  // panel moves the start address by 32 bytes per 16 columns; the hardware applies the swizzle
+  // to the final address, which is why the tile must be 1024-byte aligned.
+  __device__ __forceinline__ static unsigned long long k_major(unsigned tile, int row0, int col0) {
+    return desc(tile + (col0 >> 6) * kPanelBytes + row0 * 128 + (col0 & 63) * 2, 16, 1024);
+  }
+  // Descriptor of rows [row0, row0 + 16) x all columns as an MN-major B operand (K = rows,
+  // N = columns, contiguous): 8-row groups 1024 bytes apart along K, 64-column panels
+  // kPanelBytes apart along N. Used with the transpose flag (V in O += P.V).
+  __device__ __forceinline__ static unsigned long long mn_major(unsigned tile, int row0) {
+    return desc(tile + row0 * 128, kPanelBytes, 1024);
+  }
+
+ private:
+  // PTX ISA "matrix descriptor": start address, leading and stride byte offsets (all >> 4) and
+  // the swizzle mode in bits 62-63 (1: 128-byte).
+  __device__ __forceinline__ static unsigned long long desc(unsigned addr, unsigned lead,
+                                                            unsigned stride) {
+    return static_cast<unsigned long long>((addr & 0x3ffff) >> 4) |
+           static_cast<unsigned long long>(lead >> 4) << 16 |
+           static_cast<unsigned long long>(stride >> 4) << 32 | 1ull << 62;
+  }
+};
+
+// wgmma needs its register operands untouched while it runs: `wgmma_fence` orders earlier
+// register writes before the next wgmma, `fence_regs` stops the compiler moving accesses to the
+// accumulators across the issue / wait points.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N of this warpgroup's committed wgmma groups are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int NT>
+__device__ __forceinline__ void fence_regs(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+template <int KT>
+__device__ __forceinline__ void fence_regs(unsigned (&a)[KT][4]) {
+#pragma unroll
+  for (int j = 0; j < KT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
+}
+
+// Proxy fence: shared memory written by ordinary stores or cp.async, read next by wgmma.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The accumulator operands of an m64nNk16 wgmma: N / 8 column tiles of 4 registers.
+#define FLEXC_ACC4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define FLEXC_ACC32(d, j)                                                                     \
+  FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3),         \
+      FLEXC_ACC4(d, j + 4), FLEXC_ACC4(d, j + 5), FLEXC_ACC4(d, j + 6), FLEXC_ACC4(d, j + 7)
+#define FLEXC_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FLEXC_REGS64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+// One wgmma: SHAPE like "m64n128k16", T "bf16" / "f16", REGS the accumulator list, A and B the
+// operand text, SCALE_D the operand of the accumulate flag (an immediate: 0 for D = A.B, 1 for
+// D += A.B; a predicate computed in the asm would count as a non-wgmma instruction feeding it,
+// and ptxas would then serialize the wgmmas).
+#define FLEXC_WGMMA(SHAPE, T, REGS, A, B, SCALE_D, TRANS)                                       \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " " REGS ", " A ", " B ", " SCALE_D \
+  ", 1, 1, " TRANS ";\n"
+
+// d (+)= A.B, m64nNk16, A and B from shared memory, both K-major. N is 64 or 128.
+template <bool BF16, int ACCUMULATE, int NT>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a,
+                                         unsigned long long b) {
+  static_assert(NT == 8 || NT == 16, "wgmma_ss: N must be 64 or 128");
+  if constexpr (NT == 8) {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "%32", "%33", "%34", "0, 0")
+                   : FLEXC_ACC32(d, 0) : "l"(a), "l"(b), "n"(ACCUMULATE));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "%32", "%33", "%34", "0, 0")
+                   : FLEXC_ACC32(d, 0) : "l"(a), "l"(b), "n"(ACCUMULATE));
+    }
+  } else {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
+                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
+                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
+    }
+  }
+}
+
+// d += A.B, m64nNk16, A from registers (mma.sync A fragment of the warp's 16 rows), B from
+// shared memory MN-major (transposed). N is 64 or 128.
+template <bool BF16, int NT>
+__device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[4],
+                                         unsigned long long b) {
+  static_assert(NT == 8 || NT == 16, "wgmma_rs: N must be 64 or 128");
+  if constexpr (NT == 8) {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
+                               "%37", "1")
+                   : FLEXC_ACC32(d, 0)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
+                               "%37", "1")
+                   : FLEXC_ACC32(d, 0)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    }
+  } else {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
+                               "%69", "1")
+                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
+                               "%69", "1")
+                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    }
+  }
+}
+
+#undef FLEXC_WGMMA
+#undef FLEXC_REGS64
+#undef FLEXC_REGS32
+#undef FLEXC_ACC32
+#undef FLEXC_ACC4
+
+}  // namespace flexc_tile
