@@ -22,7 +22,6 @@
 #include "flexc/variant.h"
 #include "jit/driver.h"
 #include "jit/compiler.h"
-#include "jit/driver_api.h"
 #include "jit/jit.h"
 #include "test_random.h"
 #include "variant_impl.h"

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "jit/driver.h"
 #include "jit/jit.h"
 #include "jit/kernels.h"
 #include "flexc/error.h"
@@ -139,9 +140,11 @@ int main(int argc, char** argv) {
     if (arch.empty() && !jit::gpu_available()) arch = "sm_90";
     const jit::KernelConfig cfg{arch, dtype, head_dim};
     std::vector<const jit::KnownKernel*> list;
-    if (kernels == "all")
-      for (const jit::KnownKernel& k : jit::known_kernels()) list.push_back(&k);
-    else
+    if (kernels == "all") {
+      const std::string target = arch.empty() ? jit::current_arch() : arch;
+      for (const jit::KnownKernel& k : jit::known_kernels())
+        if (jit::builds_for(k, target)) list.push_back(&k);
+    } else
       for (size_t start = 0; start <= kernels.size();) {
         const size_t comma = std::min(kernels.find(',', start), kernels.size());
         list.push_back(&jit::find_kernel(kernels.substr(start, comma - start)));

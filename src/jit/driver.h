@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 struct CUstream_st;
@@ -84,5 +85,8 @@ class EventTimer {
 
 // Waits for all work of the current context.
 void synchronize_device();
+
+// "sm_90" for the device of the current context. Throws flexc::Error when there is no GPU.
+std::string current_arch();
 
 }  // namespace flexc::jit

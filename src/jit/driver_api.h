@@ -41,7 +41,4 @@ void check(CUresult r, std::string_view doing);
 // the CUDA runtime uses too) is retained and made current.
 CUcontext current_context();
 
-// "sm_90" for the device of the current context.
-std::string current_arch();
-
 }  // namespace flexc::jit

@@ -16,6 +16,7 @@
 
 #include "cache.h"
 #include "compiler.h"
+#include "driver.h"
 #include "driver_api.h"
 #include "dsl/emit_cuda.h"
 #include "flexc/error.h"

@@ -15,6 +15,7 @@
 #include "cli/command.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
+#include "jit/driver.h"
 #include "jit/jit.h"
 #include "jit/kernels.h"
 
@@ -64,8 +65,12 @@ void run(const Options& o) {
         "no GPU here to take the architecture from: name it with --arch (e.g. --arch sm_90)");
 
   std::vector<const jit::KnownKernel*> kernels;
-  if (o.kernels == "all")
-    for (const jit::KnownKernel& k : jit::known_kernels()) kernels.push_back(&k);
+  // "all": the kernels that can be built for the arch (the Hopper kernel only for sm_90 / sm_90a).
+  const std::string arch = o.arch.empty() ? jit::current_arch() : o.arch;
+  if (o.kernels == "all") {
+    for (const jit::KnownKernel& k : jit::known_kernels())
+      if (jit::builds_for(k, arch)) kernels.push_back(&k);
+  }
   else
     for (const std::string& name : split(o.kernels)) kernels.push_back(&jit::find_kernel(name));
   const jit::KernelConfig cfg{o.arch, o.dtype, o.head_dim};
