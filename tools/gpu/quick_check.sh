@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine after tools/gpu/pack.sh: `flexc run --check` on a few variants and shapes
 # with each forward kernel, each under a time limit, so that a broken kernel shows in seconds
-# (before the full [gpu] suite). Prints one verdict line per run.
+# (before the full [gpu] suite). Prints one verdict line per run. KERNELS (default "hopper
+# portable") and CASE_TIMEOUT (seconds, default 120) adjust it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH=$PWD/.carry/lib:${LD_LIBRARY_PATH:-}
@@ -16,7 +17,7 @@ PY
 status=0
 for kernel in ${KERNELS:-hopper portable}; do
   while read -r variant shape extra; do
-    line=$(timeout 120 .carry/bin/flexc run "$variant" --random "$shape" --check --kernel "$kernel" \
+    line=$(timeout ${CASE_TIMEOUT:-120} .carry/bin/flexc run "$variant" --random "$shape" --check --kernel "$kernel" \
            ${extra//@tmp/$tmp} 2>&1 | grep -E "PASS|FAIL|rror" | head -2 | tr '\n' ' ')
     echo "$kernel $variant $shape: ${line:-no verdict (timeout or crash)}"
     [[ $line == *PASS* ]] || status=1
