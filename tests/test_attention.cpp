@@ -553,6 +553,9 @@ struct GpuCase {
   bool block_mask = true;   // build one (when the mask is not `true`)
   std::map<std::string, double, std::less<>> params;
   FwdKernel kernel = FwdKernel::Auto;
+  // The BlockMask built on one stream (brute force on the GPU: slow) and attention launched at
+  // once on another: the kernel must wait for the mask.
+  bool two_streams = false;
 
   std::string describe() const {
     return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}", dtype_name(dtype), B,
@@ -619,9 +622,18 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
   opts.params = ref.params = bmo.params = c.params;
   opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
   opts.kernel = c.kernel;
+  std::optional<jit::Stream> build_stream, run_stream;
+  if (c.two_streams) {
+    build_stream.emplace();
+    run_stream.emplace();
+    bmo.device = BuildDevice::Gpu;
+    bmo.analytic = false;
+    opts.stream = run_stream->get();
+  }
   std::optional<BlockMask> bm;
   if (c.block_mask && !v.mask_always_true()) {
-    bm = create_block_mask(v, c.B, c.Hq, c.Lq, c.Lkv, bmo);
+    bm = create_block_mask(v, c.B, c.Hq, c.Lq, c.Lkv, bmo,
+                           build_stream ? build_stream->get() : nullptr);
     opts.block_mask = &*bm;
   }
   attention(q, k, vv, out, v, opts);
@@ -713,6 +725,17 @@ TEST_CASE("rows with no unmasked element give 0 and -inf, never NaN", "[gpu]") {
     INFO(a.summary());
     CHECK(a.pass);
     CHECK(a.masked_rows == 100);
+  }
+}
+
+TEST_CASE("a BlockMask built on one stream serves attention launched on another", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (FwdKernel kernel : kernels_for(128)) {
+    GpuCase c{DType::BF16, 2, 8, 8, 4096, 4096, 128, false, 0, true, {}, kernel, true};
+    INFO(c.describe());
+    const Accuracy a = run_case(Variant::from_catalogue("dilated_window"), c);
+    INFO(a.summary());
+    CHECK(a.pass);
   }
 }
 
