@@ -56,7 +56,8 @@ FwdConfig fwd_config_sm90(int head_dim) {
   // align the tiles for wgmma's swizzle (docs/perf.md).
   if (!sm90_supports(head_dim))
     throw Error(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", head_dim));
-  FwdConfig c{true, 128, 128, 384, 2, 0};
+  // Threads: a producer warpgroup and one consumer warpgroup per 64 rows (the kernel asserts it).
+  FwdConfig c{true, 128, 128, 128 * (1 + 128 / 64), 2, 0};
   c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) +
                  8 * (1 + 4 * c.stages) + 1024;
   return c;
@@ -100,7 +101,9 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
           "flexc_attention_fwd_sm90",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
            {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
-           {"FLEXC_BLOCK_N", std::to_string(c.block_n)}},
+           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+           {"FLEXC_STAGES", std::to_string(c.stages)}},
           "sm_90a"};
 }
 
@@ -202,12 +205,13 @@ bool self_overlaps(const TensorView& t) {
   return false;
 }
 
-// The Hopper kernel loads with TMA, whose descriptors need a positive stride on every dim longer
-// than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is never loaded.
+// The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
+// every dim longer than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is
+// never loaded.
 bool tma_fits(const TensorView& t) {
   if (is_empty(t)) return true;
   for (size_t i = 0; i < 3; ++i)
-    if (t.shape[i] > 1 && t.stride(i) == 0) return false;
+    if (t.shape[i] > 1 && (t.stride(i) == 0 || t.stride(i) >= (int64_t(1) << 39))) return false;
   return true;
 }
 
@@ -217,15 +221,15 @@ FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
   static_assert(sizeof(CUtensorMap) == sizeof(FlexcTensorMap));
   const jit::DriverApi& d = jit::driver("building a TMA descriptor for flexc::attention");
   const int64_t es = 2;  // bf16 / fp16
-  // Innermost first: D, S, H, B. A dim of size 1 may have any stride; TMA wants a multiple of 16
-  // bytes, so such a dim takes the next one's.
+  // Innermost first: D, S, H, B. A dim of size 1 is never stepped along, so its stride is free;
+  // it gets one row's bytes, which meets TMA's rules (a multiple of 16, below 2^40) whatever
+  // the view says (0, or a huge stride from as_strided).
   const cuuint64_t dims[4] = {cuuint64_t(t.shape[3]), cuuint64_t(std::max<int64_t>(t.shape[2], 1)),
                               cuuint64_t(t.shape[1]), cuuint64_t(t.shape[0])};
   cuuint64_t strides[3];
   for (int i = 0; i < 3; ++i) {
     const int dim = 2 - i;  // S, H, B
-    strides[i] = cuuint64_t(t.stride(dim) * es);
-    if (strides[i] == 0) strides[i] = cuuint64_t(t.shape[3] * es);
+    strides[i] = dims[i + 1] == 1 ? cuuint64_t(t.shape[3] * es) : cuuint64_t(t.stride(dim) * es);
   }
   const cuuint32_t box[4] = {64, rows, 1, 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
@@ -296,7 +300,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
       if (!tma_fits(*t))
         fail(fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
-                         "1; {}",
+                         "1 (below 2^39 elements); {}",
                          name, t->describe()));
   }
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));

@@ -12,7 +12,9 @@
 //   (ping-pong on named barriers), so one's softmax runs while the other's products do. P never
 //   leaves registers: wgmma takes A from registers in the layout the softmax leaves it in.
 //
-// Compile-time configuration: FLEXC_HEAD_DIM (64 or 128), FLEXC_BF16, FLEXC_BLOCK_N (64 or 128).
+// Compile-time configuration (from src/attention.cpp's fwd_config_sm90, which sizes the launch):
+// FLEXC_HEAD_DIM (64 or 128), FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows),
+// FLEXC_BLOCK_N (128), FLEXC_STAGES (2).
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"
@@ -23,15 +25,21 @@ using namespace flexc_tile;
 
 constexpr int kD = FLEXC_HEAD_DIM;
 constexpr bool kBf16 = FLEXC_BF16 != 0;
-constexpr int kBlockM = 128;
+constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
-constexpr int kThreads = 384;
-constexpr int kStages = 2;
+constexpr int kStages = FLEXC_STAGES;
+constexpr int kThreads = 384;  // producer + two consumers; the host launches 128 * (1 + kBlockM / 64)
 constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
 constexpr int kDT = kD / 8;       // n8 column tiles of O per warp
 
 static_assert(kD == 64 || kD == 128, "head dim 64 or 128");
-static_assert(kBlockN == 64 || kBlockN == 128, "kv tile 64 or 128");
+static_assert(kBlockM == 128 && kBlockN == 128 && kStages >= 2, "the configuration built and tested");
+// setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
+// must be covered by what the producer releases, or it waits forever.
+constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+static_assert(128 * (kLaunchRegs - kProducerRegs) >= 256 * (kConsumerRegs - kLaunchRegs),
+              "register reallocation must balance");
 
 using QTile = Sw128Tile<kBlockM, kD>;
 using KvTile = Sw128Tile<kBlockN, kD>;
@@ -157,14 +165,11 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   __syncthreads();  // the last CTA-wide barrier: the producer leaves early
 
   if (wg == 0) {
-    regs_dec<24>();
+    regs_dec<kProducerRegs>();
     if (threadIdx.x == 0) produce(sm, tq, tk, tv, sched, q0, h, h_kv, b);
     return;
   }
-  // The launch gave every thread 168 registers (65536 / 384, rounded down to 8); the consumers'
-  // increase is served only from what the producer released: 128 x (168 - 24) = 256 x (240 - 168).
-  // Any larger increase would wait forever.
-  regs_inc<240>();
+  regs_inc<kConsumerRegs>();  // 128 x (168 - 24) = 256 x (240 - 168): see kLaunchRegs
   const int cw = wg - 1;                                     // consumer 0 or 1
   const int q_rows = cw * 64;                                // its first row in the Q tile
   const int warp = (static_cast<int>(threadIdx.x) >> 5) - 4;  // warp among the consumers
@@ -183,6 +188,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // Ping-pong: consumer c issues its products after the other one issued its own. Consumer 1
   // lets consumer 0 go first and skips its last hand-over, so every barrier phase that is started
   // is completed before the CTA exits.
+  // Both consumers visit the same `count` tiles (the schedule is per 128-row q tile); a schedule
+  // per consumer would need the turns rebalanced, or they deadlock.
   auto take_turn = [&] { named_sync(kTurnBarrier + cw, 256); };
   auto pass_turn = [&](int j) {
     if (!(cw == 1 && j == count - 1)) named_arrive(kTurnBarrier + 1 - cw, 256);

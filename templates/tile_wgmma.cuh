@@ -115,7 +115,8 @@ __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
 }
 
 // TMA: the box at coordinates (c0 innermost, ..., c3) of a 4-D tensor map into shared memory at
-// `dst`, completing `bytes` on `bar`. Out-of-range elements are written as zeros.
+// `dst`, completing its bytes on `bar` (announced there by mbar_expect_tx). Out-of-range elements
+// are written as zeros.
 __device__ __forceinline__ void tma_load_4d(unsigned dst, const FlexcTensorMap& map, int c0, int c1,
                                             int c2, int c3, unsigned bar) {
   asm volatile(
@@ -160,27 +161,16 @@ __device__ __forceinline__ void regs_inc() {
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " " REGS ", " A ", " B ", " SCALE_D \
   ", 1, 1, " TRANS ";\n"
 
-// d (+)= A.B, m64nNk16, A and B from shared memory, both K-major. N is 64 or 128.
-template <bool BF16, int ACCUMULATE, int NT>
-__device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a,
+// d (+)= A.B, m64n128k16, A and B from shared memory, both K-major.
+template <bool BF16, int ACCUMULATE>
+__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a,
                                          unsigned long long b) {
-  static_assert(NT == 8 || NT == 16, "wgmma_ss: N must be 64 or 128");
-  if constexpr (NT == 8) {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "%32", "%33", "%34", "0, 0")
-                   : FLEXC_ACC32(d, 0) : "l"(a), "l"(b), "n"(ACCUMULATE));
-    } else {
-      asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "%32", "%33", "%34", "0, 0")
-                   : FLEXC_ACC32(d, 0) : "l"(a), "l"(b), "n"(ACCUMULATE));
-    }
+  if constexpr (BF16) {
+    asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
+                 : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
   } else {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
-                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
-    } else {
-      asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
-                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
-    }
+    asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
+                 : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
   }
 }
 
