@@ -38,9 +38,9 @@ FwdConfig fwd_config(int head_dim) {
   switch (head_dim) {
     case 32:
     case 64:
-    case 128: c = {false, 128, 64, 128, 2, 0}; break;
-    case 96: c = {false, 64, 64, 128, 2, 0}; break;
-    case 256: c = {false, 64, 32, 128, 2, 0}; break;
+    case 128: c = {128, 64, 128, 2, 0}; break;
+    case 96: c = {64, 64, 128, 2, 0}; break;
+    case 256: c = {64, 32, 128, 2, 0}; break;
     default:
       throw Error(fmt::format("head dim {} is not supported (32, 64, 96, 128 or 256)", head_dim));
   }
@@ -57,7 +57,7 @@ FwdConfig fwd_config_sm90(int head_dim) {
   if (!sm90_supports(head_dim))
     throw Error(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", head_dim));
   // Threads: a producer warpgroup and one consumer warpgroup per 64 rows (the kernel asserts it).
-  FwdConfig c{true, 128, 128, 128 * (1 + 128 / 64), 2, 0};
+  FwdConfig c{128, 128, 128 * (1 + 128 / 64), 2, 0};
   c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) +
                  8 * (1 + 4 * c.stages) + 1024;
   return c;
@@ -250,6 +250,22 @@ bool tiles_fit(const BlockMask& bm, const detail::FwdConfig& c) {
   return bm.q_tile() % c.block_m == 0 && bm.kv_tile() % c.block_n == 0;
 }
 
+// Why the Hopper kernel cannot run a call of head dim D with these inputs; empty when it can.
+std::string hopper_misfit_reason(int D, const BlockMask* bm, const TensorView& q,
+                                 const TensorView& k, const TensorView& v) {
+  if (!detail::sm90_supports(D))
+    return fmt::format("the Hopper kernel has no head dim {} (64 or 128)", D);
+  if (bm && !tiles_fit(*bm, detail::fwd_config_sm90(D)))
+    return fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
+                       bm->q_tile(), bm->kv_tile());
+  for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
+    if (!tma_fits(*t))
+      return fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
+                         "1 (below 2^39 elements); {}",
+                         name, t->describe());
+  return {};
+}
+
 void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len, int64_t kv_len,
                       const detail::FwdConfig& c) {
   if (bm.q_len() != q_len || bm.kv_len() != kv_len)
@@ -266,6 +282,23 @@ void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len,
 }
 
 }  // namespace
+
+namespace {
+constexpr std::pair<FwdKernel, std::string_view> kFwdKernelNames[] = {
+    {FwdKernel::Auto, "auto"}, {FwdKernel::Portable, "portable"}, {FwdKernel::Hopper, "hopper"}};
+}  // namespace
+
+std::string_view to_string(FwdKernel k) {
+  for (auto [kernel, name] : kFwdKernelNames)
+    if (kernel == k) return name;
+  return "?";
+}
+
+FwdKernel parse_fwd_kernel(std::string_view name) {
+  for (auto [kernel, n] : kFwdKernelNames)
+    if (n == name) return kernel;
+  throw Error(fmt::format("unknown forward kernel '{}' (auto, portable or hopper)", name));
+}
 
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const Variant& variant, const AttentionOptions& opts) {
@@ -291,18 +324,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (D != 32 && D != 64 && D != 96 && D != 128 && D != 256)
     fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128 or 256)", D));
   const detail::FwdConfig portable = detail::fwd_config(static_cast<int>(D));
-  if (opts.kernel == FwdKernel::Hopper) {
-    if (!detail::sm90_supports(int(D)))
-      fail(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", D));
-    if (opts.block_mask && !tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D))))
-      fail(fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
-                       opts.block_mask->q_tile(), opts.block_mask->kv_tile()));
-    for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
-      if (!tma_fits(*t))
-        fail(fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
-                         "1 (below 2^39 elements); {}",
-                         name, t->describe()));
-  }
+  // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
+  const std::string hopper_misfit = hopper_misfit_reason(int(D), opts.block_mask, q, k, v);
+  if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
@@ -343,11 +367,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (opts.kernel == FwdKernel::Hopper && !sm90)
     fail(fmt::format("the Hopper kernel needs a GPU of compute capability 9.0; this one is {}.{}",
                      dev.major, dev.minor));
-  const bool hopper =
-      opts.kernel == FwdKernel::Hopper ||
-      (opts.kernel == FwdKernel::Auto && sm90 && detail::sm90_supports(int(D)) &&
-       (!opts.block_mask || tiles_fit(*opts.block_mask, detail::fwd_config_sm90(int(D)))) &&
-       tma_fits(q) && tma_fits(k) && tma_fits(v));
+  const bool hopper = opts.kernel == FwdKernel::Hopper ||
+                      (opts.kernel == FwdKernel::Auto && sm90 && hopper_misfit.empty());
   const detail::FwdConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",

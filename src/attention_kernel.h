@@ -10,7 +10,6 @@
 namespace flexc::detail {
 
 struct FwdConfig {
-  bool hopper = false;  // attention_fwd_sm90.cuh
   int block_m = 0, block_n = 0, threads = 0, stages = 0;
   size_t smem_bytes = 0;  // dynamic shared memory per CTA
 };

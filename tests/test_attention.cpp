@@ -444,6 +444,10 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(t({1, 4, 16, 32}), TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}},
                  TensorView{out.data, out.dtype, {1, 4, 16, 32}, {}}, o),
              Contains("the Hopper kernel has no head dim 32 (64 or 128)"));
+  for (FwdKernel fk : {FwdKernel::Auto, FwdKernel::Portable, FwdKernel::Hopper})
+    CHECK(parse_fwd_kernel(to_string(fk)) == fk);
+  CHECK_THROWS_WITH(parse_fwd_kernel("hoper"),
+                    Contains("unknown forward kernel 'hoper' (auto, portable or hopper)"));
   // k and v broadcast over their heads by a stride of 0: fine for the portable kernel, not TMA.
   CHECK_THAT(err(q, TensorView{k.data, k.dtype, k.shape, {2048, 0, 64, 1}}, out, o),
              Contains("the Hopper kernel needs a nonzero stride on every dim of k longer than 1"));
@@ -558,12 +562,10 @@ struct GpuCase {
   bool two_streams = false;
 
   std::string describe() const {
-    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}", dtype_name(dtype), B,
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}{}", dtype_name(dtype), B,
                        Hq, Hkv, Lq, Lkv, D, bshd ? " bshd" : "", pad ? " padded" : "",
-                       block_mask ? "" : " dense",
-                       kernel == FwdKernel::Portable ? " portable"
-                       : kernel == FwdKernel::Hopper ? " hopper"
-                                                     : "");
+                       block_mask ? "" : " dense", kernel == FwdKernel::Auto ? "" : " ",
+                       kernel == FwdKernel::Auto ? "" : to_string(kernel));
   }
   // Device strides of a [B, H, S, D] tensor.
   std::vector<int64_t> strides(int64_t H, int64_t S) const {

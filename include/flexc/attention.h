@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
@@ -26,6 +27,10 @@ namespace flexc {
 // 128 x 128 (the default), the portable kernel (mma.sync, sm_80+) otherwise. Portable and Hopper
 // force one; forcing the Hopper kernel where it cannot run is an error.
 enum class FwdKernel { Auto, Portable, Hopper };
+// "auto", "portable", "hopper" (the command-line spellings).
+std::string_view to_string(FwdKernel k);
+// The inverse; throws flexc::Error naming the choices.
+FwdKernel parse_fwd_kernel(std::string_view name);
 
 struct AttentionOptions {
   // The tiles to compute, from create_block_mask of the same variant (same lengths; nb / nh 1 or
