@@ -140,11 +140,9 @@ int main(int argc, char** argv) {
     if (arch.empty() && !jit::gpu_available()) arch = "sm_90";
     const jit::KernelConfig cfg{arch, dtype, head_dim};
     std::vector<const jit::KnownKernel*> list;
-    if (kernels == "all") {
-      const std::string target = arch.empty() ? jit::current_arch() : arch;
-      for (const jit::KnownKernel& k : jit::known_kernels())
-        if (jit::builds_for(k, target)) list.push_back(&k);
-    } else
+    if (kernels == "all")
+      list = jit::kernels_for_arch(arch.empty() ? jit::current_arch() : arch);
+    else
       for (size_t start = 0; start <= kernels.size();) {
         const size_t comma = std::min(kernels.find(',', start), kernels.size());
         list.push_back(&jit::find_kernel(kernels.substr(start, comma - start)));

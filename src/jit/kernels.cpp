@@ -27,13 +27,20 @@ constexpr KnownKernel kKernels[] = {
      &blockmask_classify_spec},
 };
 
+bool builds_for(const KnownKernel& k, std::string_view arch) {
+  return k.only_arch.empty() || arch == k.only_arch ||
+         (arch.size() + 1 == k.only_arch.size() && k.only_arch.starts_with(arch));
+}
+
 }  // namespace
 
 std::span<const KnownKernel> known_kernels() { return kKernels; }
 
-bool builds_for(const KnownKernel& k, std::string_view arch) {
-  return k.only_arch.empty() || arch == k.only_arch ||
-         (arch.size() + 1 == k.only_arch.size() && k.only_arch.starts_with(arch));
+std::vector<const KnownKernel*> kernels_for_arch(std::string_view arch) {
+  std::vector<const KnownKernel*> out;
+  for (const KnownKernel& k : kKernels)
+    if (builds_for(k, arch)) out.push_back(&k);
+  return out;
 }
 
 const KnownKernel& find_kernel(std::string_view name) {

@@ -6,6 +6,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "jit.h"
 
@@ -27,8 +28,9 @@ struct KnownKernel {
 std::span<const KnownKernel> known_kernels();
 // Throws flexc::Error naming the known kernels.
 const KnownKernel& find_kernel(std::string_view name);
-// Whether `k` can be built for `arch` ("sm_90" admits an "sm_90a" kernel: same GPUs).
-bool builds_for(const KnownKernel& k, std::string_view arch);
+// The known kernels that build for `arch` (what "all" means for a target; "sm_90" admits an
+// "sm_90a" kernel: same GPUs).
+std::vector<const KnownKernel*> kernels_for_arch(std::string_view arch);
 
 // templates/mods_eval.cuh: evaluates the variant's hooks over a grid of indices (tests).
 //   flexc_mods_eval(FlexcArgs a, int B, int H, int q0, int nq, int kv0, int nkv, int q_len,

@@ -67,10 +67,8 @@ void run(const Options& o) {
   std::vector<const jit::KnownKernel*> kernels;
   // "all": the kernels that can be built for the arch (the Hopper kernel only for sm_90 / sm_90a).
   const std::string arch = o.arch.empty() ? jit::current_arch() : o.arch;
-  if (o.kernels == "all") {
-    for (const jit::KnownKernel& k : jit::known_kernels())
-      if (jit::builds_for(k, arch)) kernels.push_back(&k);
-  }
+  if (o.kernels == "all")
+    kernels = jit::kernels_for_arch(arch);
   else
     for (const std::string& name : split(o.kernels)) kernels.push_back(&jit::find_kernel(name));
   const jit::KernelConfig cfg{o.arch, o.dtype, o.head_dim};
