@@ -141,28 +141,13 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
     float alpha[kMT][2];
     // Once the row maxima settle, most tiles change none of them: skip the rescale then (the
     // factors are exactly 1, so this changes no result).
-    if (softmax.step(s, flexc_attn::units_log2(p), alpha)) {
-#pragma unroll
-      for (int i = 0; i < kMT; ++i)
-#pragma unroll
-        for (int j = 0; j < kDT; ++j) {
-          acc[i][j][0] *= alpha[i][0];
-          acc[i][j][1] *= alpha[i][0];
-          acc[i][j][2] *= alpha[i][1];
-          acc[i][j][3] *= alpha[i][1];
-        }
-    }
+    if (softmax.step(s, flexc_attn::units_log2(p), alpha)) softmax.rescale(acc, alpha);
 
 #pragma unroll
     for (int kk = 0; kk < kBlockN; kk += 16) {
       unsigned a[kMT][4];
 #pragma unroll
-      for (int i = 0; i < kMT; ++i) {
-        a[i][0] = pack2<kBf16>(s[i][kk / 8][0], s[i][kk / 8][1]);
-        a[i][1] = pack2<kBf16>(s[i][kk / 8][2], s[i][kk / 8][3]);
-        a[i][2] = pack2<kBf16>(s[i][kk / 8 + 1][0], s[i][kk / 8 + 1][1]);
-        a[i][3] = pack2<kBf16>(s[i][kk / 8 + 1][2], s[i][kk / 8 + 1][3]);
-      }
+      for (int i = 0; i < kMT; ++i) c_to_a<kBf16>(s[i], kk / 16, a[i]);
       mma_rows<kBf16>(acc, a, [&](unsigned(&bf)[4], int n) {
         ldmatrix_x4_trans(bf, frag_v(v_tile(stage), kk, n / 8));
       });

@@ -97,12 +97,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[kDT][4], const unsigned (&pa
 // Softmax probabilities -> the A fragments of P.V (rounded to the input type).
 __device__ __forceinline__ void pack_p(const float (&s)[kNT][4], unsigned (&pa)[kNT / 2][4]) {
 #pragma unroll
-  for (int kk = 0; kk < kNT / 2; ++kk) {
-    pa[kk][0] = pack2<kBf16>(s[2 * kk][0], s[2 * kk][1]);
-    pa[kk][1] = pack2<kBf16>(s[2 * kk][2], s[2 * kk][3]);
-    pa[kk][2] = pack2<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    pa[kk][3] = pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-  }
+  for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<kBf16>(s, kk, pa[kk]);
 }
 
 // Warpgroup 0: the loads. Stage s of round r (tile j = r * kStages + s) is reused once both
@@ -236,15 +231,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     wgmma_wait<0>();  // P_{j-1}.V_{j-1}
     fence_regs(o[0]);
     mbar_arrive(sm.v_empty(prev));
-    if (rescale) {
-#pragma unroll
-      for (int d = 0; d < kDT; ++d) {
-        o[0][d][0] *= alpha[0][0];
-        o[0][d][1] *= alpha[0][0];
-        o[0][d][2] *= alpha[0][1];
-        o[0][d][3] *= alpha[0][1];
-      }
-    }
+    if (rescale) softmax.rescale(o, alpha);
     // Packed only now: registers a running wgmma reads must not change (ptxas would serialize
     // every wgmma to protect them).
     pack_p(s[0], pa);

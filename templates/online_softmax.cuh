@@ -70,6 +70,21 @@ struct OnlineSoftmax {
     return __any_sync(0xffffffffu, rescale);
   }
 
+  // Multiplies the output accumulated so far (DT n8 column tiles per row tile) by step's factors.
+  template <int DT>
+  __device__ __forceinline__ static void rescale(float (&acc)[MT][DT][4],
+                                                 const float (&alpha)[MT][2]) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        acc[i][j][0] *= alpha[i][0];
+        acc[i][j][1] *= alpha[i][0];
+        acc[i][j][2] *= alpha[i][1];
+        acc[i][j][3] *= alpha[i][1];
+      }
+  }
+
   // After the last tile: per row, the factor that normalises the output (0 for rows with no
   // unmasked element) and the log-sum-exp in natural log (-inf for such rows). `to_ln` converts
   // score units to natural log units. The sum was taken against the rounded base; adding back

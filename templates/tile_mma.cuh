@@ -214,6 +214,16 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return r;
 }
 
+// The A fragment of columns [16 kk, 16 kk + 16) of a row tile held as C fragments (P for P.V, in
+// the input type): the layouts agree, two n8 C tiles make one k16 A tile.
+template <bool BF16, int NT>
+__device__ __forceinline__ void c_to_a(const float (&c)[NT][4], int kk, unsigned (&a)[4]) {
+  a[0] = pack2<BF16>(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack2<BF16>(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack2<BF16>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack2<BF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
 // 2^x on the special-function unit; 2^-inf = +0.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
