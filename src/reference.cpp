@@ -101,16 +101,21 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
         double dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q[d]) * k[d];
         double x = dot * scale;
+        // The kernels' rounding points: an fp32 dot product times the fp32 scale, then score_mod
+        // in float32 (the interpreter's F32 mode is what the emitted code computes).
+        double x32 = static_cast<float>(dot) * static_cast<float>(scale);
         env.ints[static_cast<int>(dsl::Input::KvIdx)] = j;
         if (!identity) {
           env.score = x;
           x = dsl::evaluate(score, env, dsl::Precision::F64, scratch).f;
+          env.score = x32;
+          x32 = dsl::evaluate(score, env, dsl::Precision::F32, scratch).f;
         }
         // The mask decides in float32, as the kernels do: a bit that flips between precisions
         // is not a rounding error to tolerate.
         if (!all_true && dsl::evaluate(mask, env, dsl::Precision::F32, scratch).i == 0) x = -kInf;
         s[j] = x;
-        s32[j] = static_cast<float>(x);
+        s32[j] = x == -kInf ? -std::numeric_limits<float>::infinity() : static_cast<float>(x32);
         mx = std::max(mx, x);
         mx32 = std::max(mx32, s32[j]);
       }
