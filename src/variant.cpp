@@ -8,15 +8,14 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <unordered_map>
 
 #include "dsl/analysis.h"
 #include "dsl/diagnostics.h"
 #include "dsl/frontend.h"
 #include "embedded.h"
+#include "file_read.h"
 #include "templates/flexc_hooks.cuh"
 #include "variant_impl.h"
 
@@ -558,16 +557,8 @@ Variant Variant::from_json(std::string_view json_text, std::string_view origin) 
 }
 
 Variant Variant::from_json_file(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    throw Error(fmt::format("cannot read variant config {}: it is a directory", path.string()));
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw Error(
-        fmt::format("cannot read variant config {}: {}", path.string(), std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return from_json(text.str(), path.string());
+  return from_json(detail::read_regular_file(path, detail::kMaxConfigBytes, "variant config"),
+                   path.string());
 }
 
 Variant Variant::from_catalogue(std::string_view name) {

@@ -10,6 +10,9 @@
 
 namespace flexc::detail {
 
+// A JSON variant config is at most this long (docs/variants.md, limits).
+inline constexpr size_t kMaxConfigBytes = 1 << 20;
+
 struct VariantImpl {
   std::string name, description;
   // The declarations in public form (normalized: canonical dtype / type names, dims as "B", "H",

@@ -14,7 +14,6 @@ namespace {
 
 using nlohmann::json;
 
-constexpr size_t kMaxConfigBytes = 1 << 20;
 constexpr size_t kMaxNesting = 32;  // levels of JSON objects and lists
 
 // nlohmann's messages start "[json.exception.parse_error.101] parse error at line 1, column 2: ";
