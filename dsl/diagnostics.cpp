@@ -12,11 +12,17 @@ LineCol line_col(std::string_view source, uint32_t offset) {
   const size_t end = std::min<size_t>(offset, source.size());
   LineCol lc;
   size_t line_start = 0;
-  for (size_t i = 0; i < end; ++i)
-    if (source[i] == '\n') {
+  for (size_t i = 0; i < end;) {
+    const size_t n = line_break_length(source, i);
+    if (n == 0) {
+      ++i;
+    } else if (i + n <= end) {
       ++lc.line;
-      line_start = i + 1;
+      line_start = i += n;
+    } else {
+      break;  // the offset points inside a CR LF or a multi-byte terminator: still this line
     }
+  }
   lc.col = static_cast<uint32_t>(end - line_start + 1);
   return lc;
 }
@@ -71,8 +77,9 @@ std::string render(const Diagnostic& d, std::string_view source, std::string_vie
   out += fmt::format("{}:{}: {}: {}\n", lc.line, lc.col, severity_name(d.severity), d.message);
 
   const size_t line_start = begin - (lc.col - 1);
-  size_t line_end = source.find('\n', line_start);
-  if (line_end == std::string_view::npos) line_end = source.size();
+  size_t line_end = line_start;
+  while (line_end < source.size() && line_break_length(source, line_end) == 0) ++line_end;
+  line_end = std::max<size_t>(line_end, begin);  // `begin` inside a CR LF: show the line up to it
   const std::string_view line = source.substr(line_start, line_end - line_start);
   const size_t caret_begin = begin - line_start;
   const size_t caret_end =
@@ -124,37 +131,45 @@ DslError::DslError(std::vector<Diagnostic> diags, std::string source, std::strin
 
 namespace {
 
-// Optimal string alignment distance (Levenshtein plus adjacent transpositions), ignoring case.
-size_t edit_distance(std::string_view a, std::string_view b) {
+// Optimal string alignment distance (Levenshtein plus adjacent transpositions), ignoring case;
+// any value above `cutoff` is returned as cutoff + 1 (a row whose minimum passes it ends the work).
+size_t edit_distance(std::string_view a, std::string_view b, size_t cutoff) {
   auto lower = [](char c) { return static_cast<char>(std::tolower(static_cast<unsigned char>(c))); };
   std::vector<size_t> prev2(b.size() + 1), prev(b.size() + 1), cur(b.size() + 1);
   for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
     cur[0] = i;
+    size_t row_min = cur[0];
     for (size_t j = 1; j <= b.size(); ++j) {
       const bool same = lower(a[i - 1]) == lower(b[j - 1]);
       cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (same ? 0 : 1)});
       if (i > 1 && j > 1 && lower(a[i - 1]) == lower(b[j - 2]) &&
           lower(a[i - 2]) == lower(b[j - 1]))
         cur[j] = std::min(cur[j], prev2[j - 2] + 1);
+      row_min = std::min(row_min, cur[j]);
     }
+    // A transposition reads two rows back, so two rows past the cutoff end it.
+    if (row_min > cutoff && *std::min_element(prev.begin(), prev.end()) > cutoff) return cutoff + 1;
     std::swap(prev2, prev);
     std::swap(prev, cur);
   }
-  return prev[b.size()];
+  return std::min(prev[b.size()], cutoff + 1);
 }
 
 }  // namespace
 
 std::string closest_name(std::string_view name, const std::vector<std::string>& candidates) {
+  if (name.size() > kMaxSuggestedName) return {};
   // Close enough: a third of the name may be wrong, and at least one character must be right.
   const size_t limit = std::max<size_t>(1, name.size() / 3);
   std::string best;
   size_t best_distance = limit + 1;
-  for (const std::string& c : candidates) {
+  const size_t n = std::min(candidates.size(), kMaxSuggestionCandidates);
+  for (size_t i = 0; i < n; ++i) {
+    const std::string& c = candidates[i];
     const size_t gap = c.size() > name.size() ? c.size() - name.size() : name.size() - c.size();
     if (c == name || gap > limit) continue;
-    const size_t dist = edit_distance(name, c);
+    const size_t dist = edit_distance(name, c, best_distance - 1);
     if (dist < best_distance && dist < std::max(name.size(), c.size())) {
       best = c;
       best_distance = dist;

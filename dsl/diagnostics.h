@@ -47,7 +47,12 @@ class DslError : public std::runtime_error {
   std::string source_, origin_;
 };
 
-// Closest candidate by edit distance, or empty when none is close enough to suggest.
+// Closest candidate by edit distance, or empty when none is close enough to suggest. Bounded work
+// on any input: names longer than kMaxSuggestedName characters get no suggestion, only the first
+// kMaxSuggestionCandidates candidates are compared, and each comparison stops once the distance
+// is past what could be suggested.
+inline constexpr size_t kMaxSuggestedName = 64;
+inline constexpr size_t kMaxSuggestionCandidates = 1000;
 std::string closest_name(std::string_view name, const std::vector<std::string>& candidates);
 
 }  // namespace flexc::dsl

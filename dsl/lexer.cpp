@@ -1,6 +1,8 @@
 #include "dsl/lexer.h"
 
+#include <algorithm>
 #include <charconv>
+#include <cstdint>
 #include <cmath>
 #include <fmt/format.h>
 #include <limits>
@@ -52,6 +54,28 @@ std::string bad_character(std::string_view s, size_t& i) {
   return fmt::format("invalid character U+{:04X}: only ASCII is allowed outside comments", cp);
 }
 
+// True when the decimal literal `text` (digits, '.', an optional exponent) is below 1 in
+// magnitude: its leading nonzero digit stands right of the decimal point once the exponent is
+// applied. Tells an underflow from an overflow when the literal is out of a double's range.
+bool below_one(std::string_view text) {
+  const size_t e = text.find_first_of("eE");
+  const std::string_view mantissa = text.substr(0, e);
+  int64_t exponent = 0;
+  if (e != std::string_view::npos) {
+    size_t i = e + 1;
+    const bool negative = i < text.size() && text[i] == '-';
+    if (i < text.size() && (text[i] == '-' || text[i] == '+')) ++i;
+    for (; i < text.size(); ++i) exponent = std::min<int64_t>(exponent * 10 + (text[i] - '0'), int64_t{1} << 40);
+    if (negative) exponent = -exponent;
+  }
+  const size_t dot = std::min(mantissa.find('.'), mantissa.size());
+  const size_t lead = mantissa.find_first_not_of("0.");
+  if (lead == std::string_view::npos) return true;  // zero
+  const int64_t lead_power = lead < dot ? static_cast<int64_t>(dot - lead - 1)
+                                        : -static_cast<int64_t>(lead - dot);
+  return lead_power + exponent < 0;
+}
+
 class Lexer {
  public:
   Lexer(std::string_view src, std::vector<Diagnostic>& diags) : s_(src), diags_(diags) {}
@@ -79,8 +103,10 @@ class Lexer {
     while (i_ < s_.size()) {
       if (is_space(s_[i_])) {
         ++i_;
+      } else if (const size_t n = line_break_length(s_, i_)) {  // NEL, U+2028, U+2029
+        i_ += n;
       } else if (s_[i_] == '#') {
-        while (i_ < s_.size() && s_[i_] != '\n') ++i_;
+        while (i_ < s_.size() && line_break_length(s_, i_) == 0) ++i_;
       } else {
         break;
       }
@@ -176,9 +202,8 @@ class Lexer {
     }
     double v = 0;
     auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-    // Underflow (1e-400) is the value zero, as it is in float32 anyway.
-    if (ec == std::errc::result_out_of_range && text.find_first_of("eE") != std::string_view::npos &&
-        text[text.find_first_of("eE") + 1] == '-') {
+    // Underflow (1e-400, or 0.000...1 with 400 zeros) is the value zero, as in float32 anyway.
+    if (ec == std::errc::result_out_of_range && below_one(text)) {
       v = 0;
       ec = std::errc();
     }
@@ -219,6 +244,17 @@ size_t decode_utf8(std::string_view s, size_t i, uint32_t& cp) {
       (cp >= 0xD800 && cp <= 0xDFFF))
     return 0;
   return n;
+}
+
+size_t line_break_length(std::string_view s, size_t i) {
+  if (i >= s.size()) return 0;
+  switch (s[i]) {
+    case '\n': case '\v': case '\f': return 1;
+    case '\r': return i + 1 < s.size() && s[i + 1] == '\n' ? 2 : 1;
+    case '\xC2': return s.substr(i, 2) == "\xC2\x85" ? 2 : 0;
+    case '\xE2': return s.substr(i, 3) == "\xE2\x80\xA8" || s.substr(i, 3) == "\xE2\x80\xA9" ? 3 : 0;
+    default: return 0;
+  }
 }
 
 std::vector<Token> lex(std::string_view source, std::vector<Diagnostic>& diags) {

@@ -43,6 +43,11 @@ std::string describe(const Token& t, std::string_view source);
 // starts no valid character (a stray byte, an overlong form, a surrogate).
 size_t decode_utf8(std::string_view s, size_t i, uint32_t& cp);
 
+// The length in bytes of the line terminator at s[i], 0 when there is none. Every terminator
+// Unicode names ends a line (and a `#` comment): LF, VT, FF, CR, CR LF, NEL, U+2028, U+2029, so
+// that no editor shows as a new line what flexc reads as part of a comment.
+size_t line_break_length(std::string_view s, size_t i);
+
 // Shortens user text quoted in messages (names can be as long as the source).
 std::string clip(std::string_view text);
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "blockmask_impl.h"
+#include "file_read.h"
 #include "flexc/error.h"
 #include "jit/jit.h"
 #include "jit/abi.h"
@@ -33,6 +34,19 @@ void check_tile_grid(std::string_view what, int64_t nb, int64_t nh, int64_t q_le
       rows > kMaxInt || cols > kMaxInt || tiles > (int64_t(1) << 36))
     throw Error(fmt::format("{}: {} x {} x {} x {} tiles are too many; use larger tiles", what, nb,
                             nh, nqt, nkt));
+}
+
+void check_mask_bytes(std::string_view what, int64_t groups, int64_t nqt, int64_t nkt,
+                      uint64_t max_bytes) {
+  const uint64_t limit = max_bytes ? max_bytes : BlockMaskOptions::kDefaultMaxBytes;
+  // check_tile_grid bounds tiles by 2^36 and rows / columns by 2^31: no overflow here.
+  const auto tiles = static_cast<uint64_t>(groups * nqt * nkt);
+  const uint64_t bytes = 17 * tiles + 8 * static_cast<uint64_t>(groups * (nqt + nkt));
+  if (bytes > limit)
+    throw Error(fmt::format(
+        "{}: {} groups x {} x {} tiles need {} of lists; the limit is {} "
+        "(BlockMaskOptions::max_bytes); use larger tiles",
+        what, groups, nqt, nkt, human_size(bytes), human_size(limit)));
 }
 
 }  // namespace detail

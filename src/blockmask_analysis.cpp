@@ -72,6 +72,7 @@ MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_le
   p.nb = deps.reads(dsl::Input::B) ? B : 1;
   p.nh = deps.reads(dsl::Input::H) ? H : 1;
   check_tile_grid(what, p.nb, p.nh, q_len, kv_len, p.q_tile, p.kv_tile);
+  check_mask_bytes(what, p.groups(), p.nqt, p.nkt, opts.max_bytes);
   p.read_captures = deps.captures;
   p.params = resolve_params(impl, opts.params, what);
   resolve_captures(p, impl, opts, what);

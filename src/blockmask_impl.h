@@ -51,6 +51,12 @@ void check_geometry(std::string_view what,
 void check_tile_grid(std::string_view what, int64_t nb, int64_t nh, int64_t q_len, int64_t kv_len,
                      int64_t q_tile, int64_t kv_tile);
 
+// Throws flexc::Error "<what>: ..." when the BlockMask's lists (16 bytes a tile, 8 a row and a
+// column, plus the 1-byte tile grid of a build) would take more than `max_bytes` (0: the default),
+// before anything is allocated. The grid must have passed check_tile_grid.
+void check_mask_bytes(std::string_view what, int64_t groups, int64_t nqt, int64_t nkt,
+                      uint64_t max_bytes);
+
 MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
                             const BlockMaskOptions& opts);
 

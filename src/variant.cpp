@@ -8,7 +8,10 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <optional>
+#include <span>
 #include <unordered_map>
 
 #include "dsl/analysis.h"
@@ -236,15 +239,18 @@ std::string describe(const ParamSpec& p) {
 struct Merged {
   std::vector<CaptureSpec> captures;
   std::vector<ParamSpec> params;
-  dsl::ImportMap a, b;  // slot renumbering of each side's graphs
+  std::vector<dsl::ImportMap> maps;  // slot renumbering of each side's graphs, side by side
 };
 
-Merged merge_decls(const VariantImpl& a, const VariantImpl& b, std::string_view context) {
+// The declarations of all `sides` merged by name; `where(i)` names side i in a conflict.
+Merged merge_decls(std::span<const VariantImpl* const> sides,
+                   const std::function<std::string(size_t)>& where) {
   Merged m;
+  size_t side_index = 0;
   // name -> (is a capture, index in m.captures or m.params)
   std::unordered_map<std::string, std::pair<bool, uint16_t>> index;
   auto conflict = [&](const std::string& name, const std::string& one, const std::string& two) {
-    throw Error(fmt::format("{}: conflicting declarations of {}: {} and {}", context,
+    throw Error(fmt::format("{}: conflicting declarations of {}: {} and {}", where(side_index),
                             in_quotes(name), one, two));
   };
   auto describe_existing = [&](std::pair<bool, uint16_t> at) {
@@ -273,13 +279,14 @@ Merged merge_decls(const VariantImpl& a, const VariantImpl& b, std::string_view 
     }
     return it->second.second;
   };
-  for (const VariantImpl* side : {&a, &b}) {
-    dsl::ImportMap& map = side == &a ? m.a : m.b;
+  for (; side_index < sides.size(); ++side_index) {
+    const VariantImpl* side = sides[side_index];
+    dsl::ImportMap& map = m.maps.emplace_back();
     for (const CaptureSpec& c : side->capture_specs) map.capture_slot.push_back(add_capture(c));
     for (const ParamSpec& p : side->param_specs) map.param_slot.push_back(add_param(p));
+    check_capture_count(m.captures.size(), where(side_index));
+    check_param_count(m.params, where(side_index));
   }
-  check_capture_count(m.captures.size(), context);
-  check_param_count(m.params, context);
 
   const std::vector<size_t> order = runtime_first_order(m.params);
   std::vector<uint16_t> new_slot(order.size());
@@ -289,9 +296,14 @@ Merged merge_decls(const VariantImpl& a, const VariantImpl& b, std::string_view 
     params.push_back(m.params[order[i]]);
   }
   m.params = std::move(params);
-  for (dsl::ImportMap* map : {&m.a, &m.b})
-    for (uint16_t& slot : map->param_slot) slot = new_slot[slot];
+  for (dsl::ImportMap& map : m.maps)
+    for (uint16_t& slot : map.param_slot) slot = new_slot[slot];
   return m;
+}
+
+Merged merge_decls(const VariantImpl& a, const VariantImpl& b, std::string_view context) {
+  const VariantImpl* sides[] = {&a, &b};
+  return merge_decls(sides, [&](size_t) { return std::string(context); });
 }
 
 // ---- mods
@@ -348,11 +360,11 @@ bool is_identity(const dsl::Mod& score) {
 // The masks of two variants combined with `op` (And / Or), declarations merged into `m`.
 dsl::Mod combined_mask(dsl::Op op, const VariantImpl& a, const VariantImpl& b, const Merged& m,
                        std::string_view context) {
-  if (op == dsl::Op::And && is_true(a.mask)) return import_mod(b.mask, m.b);
-  if (op == dsl::Op::And && is_true(b.mask)) return import_mod(a.mask, m.a);
+  if (op == dsl::Op::And && is_true(a.mask)) return import_mod(b.mask, m.maps[1]);
+  if (op == dsl::Op::And && is_true(b.mask)) return import_mod(a.mask, m.maps[0]);
   dsl::Graph g;
-  const dsl::NodeId ra = g.import(a.mask.graph, a.mask.graph.root, m.a);
-  const dsl::NodeId rb = g.import(b.mask.graph, b.mask.graph.root, m.b);
+  const dsl::NodeId ra = g.import(a.mask.graph, a.mask.graph.root, m.maps[0]);
+  const dsl::NodeId rb = g.import(b.mask.graph, b.mask.graph.root, m.maps[1]);
   g.root = g.binary(op, ra, rb);
   return assembled(dsl::ModKind::Mask, g, std::string(context));
 }
@@ -363,12 +375,12 @@ VariantImpl combine_masks(dsl::Op op, const VariantImpl& a, const VariantImpl& b
   Merged m = merge_decls(a, b, context);
   VariantImpl out;
   if (is_identity(b.score)) {
-    out.score = import_mod(a.score, m.a);
+    out.score = import_mod(a.score, m.maps[0]);
   } else if (is_identity(a.score)) {
-    out.score = import_mod(b.score, m.b);
+    out.score = import_mod(b.score, m.maps[1]);
   } else {
-    out.score = import_mod(a.score, m.a);
-    if (out.score.graph.import(b.score.graph, b.score.graph.root, m.b) != out.score.graph.root)
+    out.score = import_mod(a.score, m.maps[0]);
+    if (out.score.graph.import(b.score.graph, b.score.graph.root, m.maps[1]) != out.score.graph.root)
       throw Error(
           fmt::format("{}: both variants modify the score ({} and {}); combine the "
                       "masks of variants of which at most one has a score_mod, or "
@@ -464,7 +476,11 @@ std::string unknown_entry(std::string_view name) {
 // Catalogue entries may refer to each other; this catches a cycle instead of recursing forever.
 thread_local std::vector<std::string> g_loading;
 
-VariantImpl build_mask(const MaskConfig& mc, const VariantImpl& file, std::string_view origin) {
+// Catalogue references already built for one config, by name: a config may repeat "@causal".
+using BuiltRefs = std::map<std::string, VariantImpl, std::less<>>;
+
+VariantImpl build_mask(const MaskConfig& mc, const VariantImpl& file, std::string_view origin,
+                       BuiltRefs& refs) {
   using K = MaskConfig::Kind;
   switch (mc.kind) {
     case K::Expr: {
@@ -478,19 +494,36 @@ VariantImpl build_mask(const MaskConfig& mc, const VariantImpl& file, std::strin
       return p;
     }
     case K::Ref: {
+      if (const auto it = refs.find(mc.text); it != refs.end()) return it->second;
       if (!catalogue_file(mc.text)) config_error(origin, mc.path, unknown_entry(mc.text));
-      return mask_only(Variant::from_catalogue(mc.text).impl());
+      return refs.emplace(mc.text, mask_only(Variant::from_catalogue(mc.text).impl()))
+          .first->second;
     }
     case K::Not:
-      return negated(build_mask(mc.items.at(0), file, origin));
+      return negated(build_mask(mc.items.at(0), file, origin, refs));
     case K::And:
     case K::Or: {
-      VariantImpl acc = build_mask(mc.items.at(0), file, origin);
-      for (size_t i = 1; i < mc.items.size(); ++i)
-        acc = combine_masks(mc.kind == K::And ? dsl::Op::And : dsl::Op::Or, acc,
-                            build_mask(mc.items[i], file, origin),
-                            fmt::format("{}: {}", origin, mc.items[i].path));
-      return acc;
+      if (mc.items.size() == 1) return build_mask(mc.items[0], file, origin, refs);
+      // All terms merged and imported into one graph once: folding pairwise would copy the
+      // growing left side again for every term (quadratic in the number of terms).
+      std::vector<VariantImpl> terms;
+      terms.reserve(mc.items.size());
+      for (const MaskConfig& item : mc.items) terms.push_back(build_mask(item, file, origin, refs));
+      std::vector<const VariantImpl*> sides;
+      for (const VariantImpl& t : terms) sides.push_back(&t);
+      Merged m = merge_decls(
+          sides, [&](size_t i) { return fmt::format("{}: {}", origin, mc.items[i].path); });
+      const dsl::Op op = mc.kind == K::And ? dsl::Op::And : dsl::Op::Or;
+      dsl::Graph g;
+      for (size_t i = 0; i < terms.size(); ++i) {
+        const dsl::NodeId r = g.import(terms[i].mask.graph, terms[i].mask.graph.root, m.maps[i]);
+        g.root = i == 0 ? r : g.binary(op, g.root, r);
+      }
+      VariantImpl out;
+      out.score = identity_score_mod();
+      out.mask = assembled(dsl::ModKind::Mask, g, fmt::format("{}: {}", origin, mc.path));
+      apply_decls(out, std::move(m));
+      return out;
     }
   }
   throw Error("unreachable mask kind");
@@ -528,10 +561,11 @@ Variant build_variant(const VariantConfig& config, std::string_view origin) {
   declare(impl, config.captures, config.params, origin);
   impl.score = parse(dsl::ModKind::Score, config.score_mod, impl.decls,
                      fmt::format("{}: score_mod", origin));
-  const VariantImpl mask = build_mask(config.mask, impl, origin);
+  BuiltRefs refs;
+  const VariantImpl mask = build_mask(config.mask, impl, origin, refs);
   Merged m = merge_decls(impl, mask, fmt::format("{}: {}", origin, config.mask.path));
-  impl.score = import_mod(impl.score, m.a);
-  impl.mask = import_mod(mask.mask, m.b);
+  impl.score = import_mod(impl.score, m.maps[0]);
+  impl.mask = import_mod(mask.mask, m.maps[1]);
   apply_decls(impl, std::move(m));
   return finish(std::move(impl), origin);
 }
@@ -645,14 +679,14 @@ Variant compose(const Variant& outer, const Variant& inner) {
   detail::Merged m = detail::merge_decls(o, i, context);
   VariantImpl out;
   if (detail::is_identity(o.score)) {
-    out.score = detail::import_mod(i.score, m.b);
+    out.score = detail::import_mod(i.score, m.maps[1]);
   } else if (detail::is_identity(i.score)) {
-    out.score = detail::import_mod(o.score, m.a);
+    out.score = detail::import_mod(o.score, m.maps[0]);
   } else {
     dsl::Graph g;
-    dsl::ImportMap outer_map = m.a;
+    dsl::ImportMap outer_map = m.maps[0];
     outer_map.input[static_cast<int>(dsl::Input::Score)] =
-        g.import(i.score.graph, i.score.graph.root, m.b);
+        g.import(i.score.graph, i.score.graph.root, m.maps[1]);
     g.root = g.import(o.score.graph, o.score.graph.root, outer_map);
     out.score = detail::assembled(dsl::ModKind::Score, g, context);
   }

@@ -12,6 +12,9 @@ namespace flexc::detail {
 
 // A JSON variant config is at most this long (docs/variants.md, limits).
 inline constexpr size_t kMaxConfigBytes = 1 << 20;
+// A config's mask_mod has at most this many terms (expressions, "@name" references, and / or /
+// not objects): each term is parsed and merged, so the count bounds the work.
+inline constexpr size_t kMaxMaskTerms = 1024;
 
 struct VariantImpl {
   std::string name, description;

@@ -26,78 +26,121 @@ std::string json_message(const char* what) {
   return std::string(s);
 }
 
-// nlohmann keeps the last of duplicate keys silently; a config with two "mask_mod"s is an error.
-// The callback also tracks where the parser is, to name the object in the message.
-class DuplicateKeyCheck {
+// Where the parser is: the open objects and lists, for paths in messages ("captures[1].dtype").
+class ParsePath {
  public:
-  explicit DuplicateKeyCheck(std::string_view origin) : origin_(origin) {}
-
-  bool operator()(int, json::parse_event_t event, json& parsed) {
-    using E = json::parse_event_t;
-    switch (event) {
-      case E::object_start:
-      case E::array_start:
-        if (frames_.size() >= kMaxNesting)
-          config_error(origin_, path(frames_.size()),
-                       fmt::format("JSON nested more than {} levels deep", kMaxNesting));
-        frames_.push_back({event == E::array_start, 0, {}, {}});
-        break;
-      case E::key: {
-        Frame& f = frames_.back();
-        f.key = parsed.get<std::string>();
-        if (!f.keys.insert(f.key).second)
-          config_error(origin_, path(frames_.size() - 1),
-                       fmt::format("duplicate key {}", in_quotes(f.key)));
-        break;
-      }
-      case E::object_end:
-      case E::array_end:
-        frames_.pop_back();
-        next_element();
-        break;
-      case E::value:
-        next_element();
-        break;
-    }
-    return true;
-  }
-
- private:
   struct Frame {
     bool array;
     size_t index;
     std::string key;
     std::unordered_set<std::string> keys;
   };
+  std::vector<Frame> frames;
 
   void next_element() {
-    if (!frames_.empty() && frames_.back().array) ++frames_.back().index;
+    if (!frames.empty() && frames.back().array) ++frames.back().index;
   }
   // The path of the value the first `n` frames point at; "(top level)" for none.
   std::string path(size_t n) const {
     std::string p;
     for (size_t i = 0; i < n; ++i)
-      p += frames_[i].array ? fmt::format("[{}]", frames_[i].index)
-                            : (p.empty() ? "" : ".") + frames_[i].key;
+      p += frames[i].array ? fmt::format("[{}]", frames[i].index)
+                           : (p.empty() ? "" : ".") + frames[i].key;
     return p.empty() ? "(top level)" : p;
   }
-
-  std::string_view origin_;
-  std::vector<Frame> frames_;
 };
+
+// nlohmann keeps the last of duplicate keys silently; a config with two "mask_mod"s is an error.
+// The callback also tracks where the parser is (in `at`, which outlives the parse), to name the
+// value in messages.
+class DuplicateKeyCheck {
+ public:
+  DuplicateKeyCheck(std::string_view origin, ParsePath& at) : origin_(origin), at_(&at) {}
+
+  bool operator()(int, json::parse_event_t event, json& parsed) {
+    using E = json::parse_event_t;
+    std::vector<ParsePath::Frame>& frames = at_->frames;
+    switch (event) {
+      case E::object_start:
+      case E::array_start:
+        if (frames.size() >= kMaxNesting)
+          config_error(origin_, at_->path(frames.size()),
+                       fmt::format("JSON nested more than {} levels deep", kMaxNesting));
+        frames.push_back({event == E::array_start, 0, {}, {}});
+        break;
+      case E::key: {
+        ParsePath::Frame& f = frames.back();
+        f.key = parsed.get<std::string>();
+        if (!f.keys.insert(f.key).second)
+          config_error(origin_, at_->path(frames.size() - 1),
+                       fmt::format("duplicate key {}", in_quotes(f.key)));
+        break;
+      }
+      case E::object_end:
+      case E::array_end:
+        frames.pop_back();
+        at_->next_element();
+        break;
+      case E::value:
+        at_->next_element();
+        break;
+    }
+    return true;
+  }
+
+ private:
+  std::string_view origin_;
+  ParsePath* at_;
+};
+
+// The offset of the JSON number token `number` outside strings, or npos.
+size_t find_number(std::string_view text, std::string_view number) {
+  const auto part_of_number = [](char c) {
+    return (c >= '0' && c <= '9') || c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-';
+  };
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (in_string) {
+      if (text[i] == '\\') ++i;
+      else if (text[i] == '"') in_string = false;
+    } else if (text[i] == '"') {
+      in_string = true;
+    } else if (text.substr(i, number.size()) == number && (i == 0 || !part_of_number(text[i - 1])) &&
+               (i + number.size() == text.size() || !part_of_number(text[i + number.size()]))) {
+      return i;
+    }
+  }
+  return std::string_view::npos;
+}
 
 json parse_json(std::string_view text, std::string_view origin) {
   if (text.size() > kMaxConfigBytes)
     throw Error(fmt::format("{}: the config is {} bytes; the limit is {}", origin, text.size(),
                             kMaxConfigBytes));
+  const auto at = [&](size_t offset) {
+    const dsl::LineCol lc = dsl::line_col(text, static_cast<uint32_t>(offset));
+    return fmt::format("{}:{}:{}", origin, lc.line, lc.col);
+  };
+  // nlohmann's parser stops at a NUL byte as if the text ended there.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos)
+    throw Error(fmt::format("{}: invalid JSON: a NUL byte (a config is text)", at(nul)));
+  ParsePath where;
   try {
-    return json::parse(text.begin(), text.end(), DuplicateKeyCheck(origin));
+    return json::parse(text.begin(), text.end(), DuplicateKeyCheck(origin, where));
   } catch (const json::parse_error& e) {
-    const auto at = static_cast<uint32_t>(e.byte > 0 ? e.byte - 1 : 0);
-    const dsl::LineCol lc = dsl::line_col(text, at);
-    throw Error(
-        fmt::format("{}:{}:{}: invalid JSON: {}", origin, lc.line, lc.col, json_message(e.what())));
-  } catch (const json::exception& e) {  // e.g. a number out of range
+    throw Error(fmt::format("{}: invalid JSON: {}", at(e.byte > 0 ? e.byte - 1 : 0),
+                            json_message(e.what())));
+  } catch (const json::out_of_range& e) {  // a number past a double's range ("1e400")
+    // nlohmann gives no position for it: find the number it quotes.
+    const std::string msg = json_message(e.what());
+    const size_t q0 = msg.find('\''), q1 = msg.rfind('\'');
+    const size_t offset = q0 < q1 && q1 != std::string::npos
+                              ? find_number(text, std::string_view(msg).substr(q0 + 1, q1 - q0 - 1))
+                              : std::string_view::npos;
+    throw Error(fmt::format("{}: {}: invalid JSON: {}",
+                            offset == std::string_view::npos ? std::string(origin) : at(offset),
+                            where.path(where.frames.size()), msg));
+  } catch (const json::exception& e) {
     throw Error(fmt::format("{}: invalid JSON: {}", origin, json_message(e.what())));
   }
 }
@@ -155,8 +198,13 @@ class Reader {
   }
 
   // The JSON nesting limit bounds this recursion.
-  MaskConfig mask(const json& j, const std::string& path) const {
+  MaskConfig mask(const json& j, const std::string& path) {
     using K = MaskConfig::Kind;
+    if (++mask_terms_ > kMaxMaskTerms)
+      fail(path, fmt::format("the mask_mod has more than {} terms (expressions, \"@name\" "
+                             "references, and / or / not objects); combine fewer, or write "
+                             "one expression",
+                             kMaxMaskTerms));
     if (j.is_string()) {
       const std::string s = j.get<std::string>();
       if (s.starts_with('@')) return {K::Ref, s.substr(1), path, {}};
@@ -233,13 +281,14 @@ class Reader {
   }
 
   std::string_view origin_;
+  size_t mask_terms_ = 0;
 };
 
 }  // namespace
 
 VariantConfig parse_variant_json(std::string_view text, std::string_view origin) {
   const json j = parse_json(text, origin);
-  const Reader r(origin);
+  Reader r(origin);
   r.keys(r.object(j, "(top level)"), "",
          {"name", "description", "score_mod", "mask_mod", "captures", "params"}, {"name"});
   VariantConfig c;

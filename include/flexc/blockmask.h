@@ -53,6 +53,10 @@ struct BlockMaskOptions {
   // the host analyses many small boxes. 0: the default (kDefaultGpuLeafTiles).
   int64_t gpu_leaf_tiles = 0;
   static constexpr int64_t kDefaultGpuLeafTiles = 64;
+  // The most memory the mask's lists may take (host for a CPU build, device for a GPU build:
+  // 17 bytes a tile); a larger mask is refused before anything is allocated. 0: the default.
+  uint64_t max_bytes = 0;
+  static constexpr uint64_t kDefaultMaxBytes = uint64_t{4} << 30;
 };
 
 // How a BlockMask was built.
