@@ -12,6 +12,7 @@
 
 #include "../templates/attention_params.cuh"
 #include "attention_args.h"
+#include "attention_checks.h"
 #include "attention_kernel.h"
 #include "blockmask_impl.h"
 #include "flexc/error.h"
@@ -30,11 +31,11 @@ namespace flexc {
 
 namespace detail {
 
-FwdConfig fwd_config(int head_dim) {
+TileConfig fwd_config(int head_dim) {
   // 4 warps of 32 query rows each where the registers allow (K / V fragments serve two row
   // tiles); 16 rows per warp for D = 96 and 256, whose accumulators need the registers. Two
   // stages: K / V of the next tile load while this one is computed. Measured in docs/perf.md.
-  FwdConfig c{};
+  TileConfig c{};
   switch (head_dim) {
     case 32:
     case 64:
@@ -50,14 +51,14 @@ FwdConfig fwd_config(int head_dim) {
 
 bool sm90_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-FwdConfig fwd_config_sm90(int head_dim) {
+TileConfig fwd_config_sm90(int head_dim) {
   // A producer warpgroup and two consumer warpgroups of 64 query rows, 128-wide kv tiles (the
   // default BlockMask tile), K and V in two stages each; then 9 mbarriers, and 1024 bytes to
   // align the tiles for wgmma's swizzle (docs/perf.md).
   if (!sm90_supports(head_dim))
     throw Error(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", head_dim));
   // Threads: a producer warpgroup and one consumer warpgroup per 64 rows (the kernel asserts it).
-  FwdConfig c{128, 128, 128 * (1 + 128 / 64), 2, 0};
+  TileConfig c{128, 128, 128 * (1 + 128 / 64), 2, 0};
   c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) +
                  8 * (1 + 4 * c.stages) + 1024;
   return c;
@@ -77,7 +78,7 @@ void check_dtype(std::string_view kernel, const KernelConfig& cfg) {
 }  // namespace
 
 KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
-  const detail::FwdConfig c = detail::fwd_config(cfg.head_dim);
+  const detail::TileConfig c = detail::fwd_config(cfg.head_dim);
   check_dtype("attention_fwd", cfg);
   return {"attention_fwd.cuh",
           "flexc_attention_fwd",
@@ -91,7 +92,7 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
 }
 
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
-  const detail::FwdConfig c = detail::fwd_config_sm90(cfg.head_dim);
+  const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim);
   check_dtype("attention_fwd_sm90", cfg);
   // wgmma exists only in the arch-specific sm_90a target.
   if (!cfg.arch.empty() && cfg.arch != "sm_90" && cfg.arch != "sm_90a")
@@ -113,103 +114,14 @@ namespace {
 
 constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
-[[noreturn]] void fail(const std::string& msg) { throw Error("flexc::attention: " + msg); }
-
-struct DeviceLimits {
-  int major = 0, minor = 0;
-  size_t max_smem = 0;  // opt-in maximum per block
-};
-
-// The current context's device, queried once per device.
-DeviceLimits device_limits() {
-  const jit::DriverApi& d = jit::driver("querying the GPU for flexc::attention");
-  jit::current_context();
-  CUdevice dev = 0;
-  jit::check(d.cuCtxGetDevice(&dev), "querying the current context's device");
-  static std::mutex mu;
-  static std::unordered_map<int, DeviceLimits> known;
-  std::lock_guard lk(mu);
-  auto it = known.find(static_cast<int>(dev));
-  if (it != known.end()) return it->second;
-  DeviceLimits l;
-  int smem = 0;
-  jit::check(d.cuDeviceGetAttribute(&l.major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-             "querying the GPU's compute capability");
-  jit::check(d.cuDeviceGetAttribute(&l.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-             "querying the GPU's compute capability");
-  jit::check(d.cuDeviceGetAttribute(&smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                                    dev),
-             "querying the GPU's shared memory per block");
-  l.max_smem = static_cast<size_t>(smem);
-  return known.emplace(static_cast<int>(dev), l).first->second;
-}
-
-// [first, last] byte range a view spans.
-std::pair<uintptr_t, uintptr_t> span_of(const TensorView& t) {
-  uintptr_t lo = reinterpret_cast<uintptr_t>(t.data), hi = lo;
-  for (size_t i = 0; i < t.rank(); ++i) hi += (t.shape[i] - 1) * t.stride(i) * dtype_size(t.dtype);
-  return {lo, hi + dtype_size(t.dtype) - 1};
-}
-
-// q / k / v / out: rank 4, the kernels' dtype, contiguous head dim, 16-byte aligned rows.
-void check_qkv(const char* name, const TensorView& t, DType dtype) {
-  if (t.rank() != 4)
-    fail(fmt::format("{} must be [B, H, SEQ, D]; got rank {} ({})", name, t.rank(), t.describe()));
-  if (t.dtype != DType::BF16 && t.dtype != DType::F16)
-    fail(fmt::format("{} is {}; bf16 or fp16 expected", name, dtype_name(t.dtype)));
-  if (t.dtype != dtype)
-    fail(fmt::format("{} is {} but q is {}; all four must have one dtype", name,
-                     dtype_name(t.dtype), dtype_name(dtype)));
-  if (t.data == nullptr) fail(fmt::format("{} has no data", name));
-  if (!t.strides.empty() && t.strides.size() != 4)
-    fail(fmt::format("{}: {} strides for rank 4", name, t.strides.size()));
-  for (size_t i = 0; i < 4; ++i)
-    if (t.shape[i] < 0 || t.stride(i) < 0)
-      fail(fmt::format("{}: negative size or stride ({})", name, t.describe()));
-  if (t.stride(3) != 1)
-    fail(fmt::format("{}: the head dim must be contiguous (stride 1); {}", name, t.describe()));
-  for (size_t i = 0; i < 3; ++i)
-    if (t.stride(i) % 8 != 0)
-      fail(fmt::format("{}: strides must be multiples of 8 elements (16-byte aligned rows); {}",
-                       name, t.describe()));
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
-    fail(fmt::format("{}: data must be 16-byte aligned", name));
-}
-
-// No elements (tested per dim: numel() can overflow on shapes not yet bounded).
-bool is_empty(const TensorView& t) {
-  return std::find(t.shape.begin(), t.shape.end(), 0) != t.shape.end();
-}
-
-bool overlap(const TensorView& a, const TensorView& b) {
-  if (is_empty(a) || is_empty(b)) return false;
-  const auto [alo, ahi] = span_of(a);
-  const auto [blo, bhi] = span_of(b);
-  return alo <= bhi && blo <= ahi;
-}
-
-// Whether two elements of `t` share memory: with the dims of size > 1 ordered by stride, each
-// stride must step past everything the smaller ones span (a sufficient test; it admits every
-// permutation of a packed layout and rejects stride 0 broadcasts).
-bool self_overlaps(const TensorView& t) {
-  if (is_empty(t)) return false;
-  std::vector<std::pair<int64_t, int64_t>> dims;  // stride, size
-  for (size_t i = 0; i < t.rank(); ++i)
-    if (t.shape[i] > 1) dims.emplace_back(t.stride(i), t.shape[i]);
-  std::sort(dims.begin(), dims.end());
-  int64_t reach = 0;  // elements spanned by the dims so far, minus one
-  for (auto [stride, size] : dims) {
-    if (stride <= reach) return true;
-    reach += (size - 1) * stride;
-  }
-  return false;
-}
+constexpr std::string_view kWhat = "flexc::attention";
+[[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
 // The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
 // every dim longer than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is
 // never loaded.
 bool tma_fits(const TensorView& t) {
-  if (is_empty(t)) return true;
+  if (detail::is_empty(t)) return true;
   for (size_t i = 0; i < 3; ++i)
     if (t.shape[i] > 1 && (t.stride(i) == 0 || t.stride(i) >= (int64_t(1) << 39))) return false;
   return true;
@@ -246,16 +158,13 @@ FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
   return out;
 }
 
-bool tiles_fit(const BlockMask& bm, const detail::FwdConfig& c) {
-  return bm.q_tile() % c.block_m == 0 && bm.kv_tile() % c.block_n == 0;
-}
-
 // Why the Hopper kernel cannot run a call of head dim D with these inputs; empty when it can.
 std::string hopper_misfit_reason(int D, const BlockMask* bm, const TensorView& q,
                                  const TensorView& k, const TensorView& v) {
   if (!detail::sm90_supports(D))
     return fmt::format("the Hopper kernel has no head dim {} (64 or 128)", D);
-  if (bm && !tiles_fit(*bm, detail::fwd_config_sm90(D)))
+  const detail::TileConfig hopper = detail::fwd_config_sm90(D);
+  if (bm && !detail::tiles_fit(*bm, hopper.block_m, hopper.block_n))
     return fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
                        bm->q_tile(), bm->kv_tile());
   for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
@@ -264,21 +173,6 @@ std::string hopper_misfit_reason(int D, const BlockMask* bm, const TensorView& q
                          "1 (below 2^39 elements); {}",
                          name, t->describe());
   return {};
-}
-
-void check_block_mask(const BlockMask& bm, int64_t B, int64_t Hq, int64_t q_len, int64_t kv_len,
-                      const detail::FwdConfig& c) {
-  if (bm.q_len() != q_len || bm.kv_len() != kv_len)
-    fail(fmt::format("block_mask was built for q_len {}, kv_len {}; the call has {}, {}",
-                     bm.q_len(), bm.kv_len(), q_len, kv_len));
-  if (bm.nb() != 1 && bm.nb() != B)
-    fail(fmt::format("block_mask has {} batches; the call has B = {} (1 broadcasts)", bm.nb(), B));
-  if (bm.nh() != 1 && bm.nh() != Hq)
-    fail(fmt::format("block_mask has {} heads; the call has {} query heads (1 broadcasts)",
-                     bm.nh(), Hq));
-  if (!tiles_fit(bm, c))
-    fail(fmt::format("block_mask tiles {} x {} must be multiples of the kernel's {} x {}",
-                     bm.q_tile(), bm.kv_tile(), c.block_m, c.block_n));
 }
 
 }  // namespace
@@ -303,10 +197,10 @@ FwdKernel parse_fwd_kernel(std::string_view name) {
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const Variant& variant, const AttentionOptions& opts) {
   const DType dtype = q.dtype;
-  check_qkv("q", q, dtype);
-  check_qkv("k", k, dtype);
-  check_qkv("v", v, dtype);
-  check_qkv("out", out, dtype);
+  detail::check_qkv(kWhat, "q", q, dtype);
+  detail::check_qkv(kWhat, "k", k, dtype);
+  detail::check_qkv(kWhat, "v", v, dtype);
+  detail::check_qkv(kWhat, "out", out, dtype);
   const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], kv_len = k.shape[2];
   if (k.shape[0] != B || k.shape[3] != D)
@@ -323,7 +217,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // Checked on the int64: the cast for fwd_config would wrap 2^32 + 128 to 128.
   if (D != 32 && D != 64 && D != 96 && D != 128 && D != 256)
     fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128 or 256)", D));
-  const detail::FwdConfig portable = detail::fwd_config(static_cast<int>(D));
+  const detail::TileConfig portable = detail::fwd_config(static_cast<int>(D));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
   const std::string hopper_misfit = hopper_misfit_reason(int(D), opts.block_mask, q, k, v);
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
@@ -340,15 +234,17 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
   // an output sharing memory with another operand, gives a result that depends on block order.
-  if (self_overlaps(out))
+  if (detail::self_overlaps(out))
     fail(fmt::format("out has elements that share memory (a stride 0 or too small); {}",
                      out.describe()));
   for (auto [name, in] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
-    if (overlap(out, *in)) fail(fmt::format("out overlaps {}", name));
+    if (detail::overlap(out, *in)) fail(fmt::format("out overlaps {}", name));
   if (opts.lse)
     for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}})
-      if (overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
-  if (opts.block_mask) check_block_mask(*opts.block_mask, B, Hq, q_len, kv_len, portable);
+      if (detail::overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
+  if (opts.block_mask)
+    detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, portable.block_m,
+                             portable.block_n);
 
   const detail::VariantImpl& impl = variant.impl();
   const std::string what = fmt::format("flexc::attention for '{}'", impl.name);
@@ -357,7 +253,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       detail::resolve_captures(impl, opts.captures, {B, Hq, q_len, kv_len}, what);
   if (q_len == 0) return;
 
-  const DeviceLimits dev = device_limits();
+  const detail::DeviceLimits dev = detail::device_limits();
   if (dev.major < 8)
     fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
                      dev.major, dev.minor));
@@ -369,7 +265,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                      dev.major, dev.minor));
   const bool hopper = opts.kernel == FwdKernel::Hopper ||
                       (opts.kernel == FwdKernel::Auto && sm90 && hopper_misfit.empty());
-  const detail::FwdConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
+  const detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));

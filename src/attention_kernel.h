@@ -1,6 +1,7 @@
-// The forward attention kernels' compile-time configurations, chosen per head dim, and their
-// KernelSpecs for the JIT: templates/attention_fwd.cuh (portable, mma.sync, sm_80+) and
-// templates/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a).
+// The attention kernels' compile-time configurations, chosen per head dim, and their KernelSpecs
+// for the JIT: templates/attention_fwd.cuh (portable, mma.sync, sm_80+),
+// templates/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a) and templates/attention_bwd.cuh
+// (portable backward).
 #pragma once
 
 #include <cstddef>
@@ -9,17 +10,21 @@
 
 namespace flexc::detail {
 
-struct FwdConfig {
+struct TileConfig {
   int block_m = 0, block_n = 0, threads = 0, stages = 0;
   size_t smem_bytes = 0;  // dynamic shared memory per CTA
 };
 
 // The portable kernel's configuration. Throws flexc::Error for a head dim it does not support.
-FwdConfig fwd_config(int head_dim);
+TileConfig fwd_config(int head_dim);
 // The Hopper kernel's; throws flexc::Error for a head dim it does not support.
-FwdConfig fwd_config_sm90(int head_dim);
+TileConfig fwd_config_sm90(int head_dim);
 // Whether the Hopper kernel has a configuration for this head dim.
 bool sm90_supports(int head_dim);
+
+// The backward kernel's (templates/attention_bwd.cuh); throws flexc::Error for a head dim it does
+// not support.
+TileConfig bwd_config(int head_dim);
 
 }  // namespace flexc::detail
 
@@ -31,5 +36,10 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg);
 // templates/attention_fwd_sm90.cuh, same arguments, built for sm_90a (cfg.arch empty, sm_90 or
 // sm_90a; anything else is an error).
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg);
+// templates/attention_bwd.cuh, entry flexc_attention_bwd:
+//   (FlexcAttentionBwdParams p, FlexcArgs args, FlexcBlockMask bm)
+// The same compile also holds flexc_attention_bwd_prep and flexc_attention_bwd_dq, which take
+// the FlexcAttentionBwdParams alone.
+KernelSpec attention_bwd_spec(const KernelConfig& cfg);
 
 }  // namespace flexc::jit

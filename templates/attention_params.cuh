@@ -22,6 +22,24 @@ struct FlexcAttentionParams {
   float scale_log2;  // scale * log2(e), for identity score_mods
 };
 
+// What the backward kernels (templates/attention_bwd.cuh) take beyond the forward's tensors:
+// FlexcAttentionParams::o is the forward's output and lse its log-sum-exp (both set). dq, dk, dv
+// have q's, k's, v's shapes, in the input type; delta and dq_accum are flexc's workspace.
+struct FlexcAttentionBwdParams {
+  FlexcAttentionParams fwd;
+  const void* dout;
+  void* dq;
+  void* dk;
+  void* dv;
+  long long do_stride[3];
+  long long dq_stride[3];
+  long long dk_stride[3];
+  long long dv_stride[3];
+  const float* dlse;  // may be null; [batch, q_heads, q_len] contiguous
+  float* delta;       // [batch, q_heads, q_len] workspace
+  float* dq_accum;    // [batch, q_heads, q_len, head_dim] workspace
+};
+
 // A TMA descriptor (the driver's CUtensorMap, built by cuTensorMapEncodeTiled), passed by value as
 // a __grid_constant__ kernel parameter to the Hopper kernel.
 struct alignas(64) FlexcTensorMap {

@@ -18,11 +18,16 @@ namespace flexc_attn {
 
 using flexc_tile::neg_inf;
 
-// The kv tiles one CTA visits, in order: partial ones first, then full ones. A BlockMask tile
-// covers bm.kv_tile / BLOCK_N kernel tiles. Tiles are walked in order with cursors (one for the
-// prefetch, one for the compute), so no division happens in the loop.
-template <int BLOCK_N>
-struct KvSchedule {
+// Which way a kernel walks the score matrix from its fixed tile: along a q tile's row, visiting kv
+// tiles (the forward kernels), or along a kv tile's column, visiting q tiles (the backward kernel).
+enum class Along { Kv, Q };
+
+// The tiles of one row (Along::Kv) or column (Along::Q) that a CTA visits, in order: partial ones
+// first, then full ones, from the BlockMask's lists (the transposed lists for a column). A
+// BlockMask tile covers BlockMask tile size / BLOCK kernel tiles. Tiles are walked in order with
+// cursors (one for the prefetch, one for the compute), so no division happens in the loop.
+template <int BLOCK, Along A = Along::Kv>
+struct TileSchedule {
   struct Cursor {
     int blk = 0, sub = 0;  // BlockMask list position, kernel tile inside that BlockMask tile
   };
@@ -33,26 +38,37 @@ struct KvSchedule {
   int count = 0;  // kernel tiles to visit
   bool dense_partial = false;
 
-  __device__ KvSchedule(const FlexcBlockMask& bm, int b, int h, int q0, int kv_len) {
+  // For the tile whose first fixed-axis index is `fixed0`, walking an axis of length `len`.
+  __device__ TileSchedule(const FlexcBlockMask& bm, int b, int h, int fixed0, int len) {
     if (bm.kv_num == nullptr) {
-      count = (kv_len + BLOCK_N - 1) / BLOCK_N;
+      count = (len + BLOCK - 1) / BLOCK;
       dense_partial = !FlexcVariant::kMaskAlwaysTrue;
       return;
     }
-    const int bb = bm.nb == 1 ? 0 : b, hh = bm.nh == 1 ? 0 : h;
-    const int row = (bb * bm.nh + hh) * bm.num_q_tiles + q0 / bm.q_tile;
-    num_partial = bm.kv_num[row];
-    const int num_full = bm.full_kv_num[row];
-    partial = bm.kv_idx + static_cast<long long>(row) * bm.num_kv_tiles;
-    full = bm.full_kv_idx + static_cast<long long>(row) * bm.num_kv_tiles;
-    per_block = bm.kv_tile / BLOCK_N;
+    const int group = (bm.nb == 1 ? 0 : b) * bm.nh + (bm.nh == 1 ? 0 : h);
+    int num_full;
+    if constexpr (A == Along::Kv) {
+      const int row = group * bm.num_q_tiles + fixed0 / bm.q_tile;
+      num_partial = bm.kv_num[row];
+      num_full = bm.full_kv_num[row];
+      partial = bm.kv_idx + static_cast<long long>(row) * bm.num_kv_tiles;
+      full = bm.full_kv_idx + static_cast<long long>(row) * bm.num_kv_tiles;
+      per_block = bm.kv_tile / BLOCK;
+    } else {
+      const int col = group * bm.num_kv_tiles + fixed0 / bm.kv_tile;
+      num_partial = bm.q_num[col];
+      num_full = bm.full_q_num[col];
+      partial = bm.q_idx + static_cast<long long>(col) * bm.num_q_tiles;
+      full = bm.full_q_idx + static_cast<long long>(col) * bm.num_q_tiles;
+      per_block = bm.q_tile / BLOCK;
+    }
     count = (num_partial + num_full) * per_block;
   }
-  // First kv index of the cursor's tile.
+  // First index of the cursor's tile.
   __device__ __forceinline__ int start(const Cursor& c) const {
-    if (partial == nullptr) return c.blk * BLOCK_N;
+    if (partial == nullptr) return c.blk * BLOCK;
     const int tile = c.blk < num_partial ? partial[c.blk] : full[c.blk - num_partial];
-    return (tile * per_block + c.sub) * BLOCK_N;
+    return (tile * per_block + c.sub) * BLOCK;
   }
   // Whether mask_mod must run on the cursor's tile.
   __device__ __forceinline__ bool is_partial(const Cursor& c) const {
@@ -64,6 +80,11 @@ struct KvSchedule {
   }
 };
 
+template <int BLOCK_N>
+using KvSchedule = TileSchedule<BLOCK_N, Along::Kv>;
+template <int BLOCK_M>
+using QSchedule = TileSchedule<BLOCK_M, Along::Q>;
+
 // Row `h` of batch `b` of a [B, H, S, D] tensor with strides `stride` (elements).
 template <class T>
 __device__ __forceinline__ const T* at(const void* base, const long long (&stride)[3], int b,
@@ -71,77 +92,120 @@ __device__ __forceinline__ const T* at(const void* base, const long long (&strid
   return static_cast<const T*>(base) + b * stride[0] + h * stride[1];
 }
 
-// The hooks on a warp's MT x NT fragment tile of scores (layout above).
-template <int MT, int NT>
+// Which index a fragment tile's rows run along: queries (S = Q.K^T, the forward kernels) or keys
+// (S^T = K.Q^T, the backward kernel). The hooks always see logical (q_idx, kv_idx).
+enum class Rows { Q, Kv };
+
+// The hooks on a warp's MT x NT fragment tile of scores (layout above), rows along R.
+template <int MT, int NT, Rows R = Rows::Q>
 struct ScoreTile {
   // The hook indices of this thread's scores, clamped into [0, len) as the hooks' contract
-  // requires (flexc_hooks.cuh). Scores of rows past q_len are never written and those of columns
-  // past kv_len (`in_kv` false) are masked, so what the hooks return there is discarded. Computed
+  // requires (flexc_hooks.cuh), and whether each row / column is inside its length. Computed
   // once per row / column. Never built when q_len or kv_len is 0: the host launches nothing for
-  // q_len 0, and kv_len 0 leaves no kv tile to visit (a BlockMask needs kv_len >= 1).
+  // q_len 0, and kv_len 0 leaves no tile to visit (a BlockMask needs kv_len >= 1).
   struct Idx {
-    int q[MT][2];
-    int kv[NT][2];
-    bool in_kv[NT][2];
+    int row[MT][2];
+    int col[NT][2];
+    bool row_in[MT][2];
+    bool col_in[NT][2];
 
-    __device__ __forceinline__ Idx(int row0, int kv0, int q_len, int kv_len) {
+    __device__ __forceinline__ Idx(int row0, int col0, int row_len, int col_len) {
       const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) q[i][r] = min(row0 + i * 16 + (lane >> 2) + r * 8, q_len - 1);
+        for (int r = 0; r < 2; ++r) {
+          const int x = row0 + i * 16 + (lane >> 2) + r * 8;
+          row[i][r] = min(x, row_len - 1);
+          row_in[i][r] = x < row_len;
+        }
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          const int col = kv0 + j * 8 + (lane & 3) * 2 + c;
-          kv[j][c] = min(col, kv_len - 1);
-          in_kv[j][c] = col < kv_len;
+          const int x = col0 + j * 8 + (lane & 3) * 2 + c;
+          col[j][c] = min(x, col_len - 1);
+          col_in[j][c] = x < col_len;
         }
     }
   };
 
-  // Calls f(s[i][j][e], q_idx, kv_idx, in_kv) for every score this thread holds.
+  __device__ __forceinline__ static Idx index(int row0, int col0, const FlexcAttentionParams& p) {
+    return R == Rows::Q ? Idx(row0, col0, p.q_len, p.kv_len) : Idx(row0, col0, p.kv_len, p.q_len);
+  }
+
+  // Calls f(i, j, e, q_idx, kv_idx, in) for every score s[i][j][e] this thread holds. `in`: the
+  // element lies inside both lengths; for rows along Q only the kv length is checked (rows past
+  // q_len are never stored).
   template <class F>
-  __device__ __forceinline__ static void for_each(float (&s)[MT][NT][4], const Idx& idx, F f) {
+  __device__ __forceinline__ static void for_each(const Idx& idx, F f) {
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          f(s[i][j][e], idx.q[i][e >> 1], idx.kv[j][e & 1], idx.in_kv[j][e & 1]);
+        for (int e = 0; e < 4; ++e) {
+          const int r = idx.row[i][e >> 1], c = idx.col[j][e & 1];
+          if constexpr (R == Rows::Q) {
+            f(i, j, e, r, c, idx.col_in[j][e & 1]);
+          } else {
+            f(i, j, e, c, r, idx.row_in[i][e >> 1] & idx.col_in[j][e & 1]);
+          }
+        }
   }
 
-  // score_mod on scale * q.k, then the mask (FlexAttention's order), for the warp's rows from
-  // row0 and the tile's columns from kv0. Leaves scores in the units OnlineSoftmax expects: raw
-  // q.k for an identity score_mod (the softmax scale folds into the exponent), score_mod's
-  // output otherwise. The mask is evaluated without short-circuit so the unrolled tile is
-  // straight-line code and row- or column-only terms (capture loads, index wrapping) are computed
-  // once per row / column, not per element.
+  // Whether a tile starting at (row0, col0) reaches past a length that must be masked.
+  __device__ __forceinline__ static bool crosses_edge(int row0, int col0,
+                                                      const FlexcAttentionParams& p) {
+    if constexpr (R == Rows::Q) return col0 + NT * 8 > p.kv_len;
+    return row0 + MT * 16 > p.kv_len || col0 + NT * 8 > p.q_len;
+  }
+
+  // score_mod on scale * q.k, then the mask (FlexAttention's order), for the tile at (row0,
+  // col0). Leaves scores in the units OnlineSoftmax expects: raw q.k for an identity score_mod
+  // (the softmax scale folds into the exponent), score_mod's output otherwise; masked ones -inf.
+  // With GRAD, also writes d score_mod / d score at the same point into grad (the backward pass;
+  // unused when the derivative is 1 everywhere). The mask is evaluated without short-circuit so
+  // the unrolled tile is straight-line code and row- or column-only terms (capture loads, index
+  // wrapping) are computed once per row / column, not per element.
+  template <bool GRAD = false>
   __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
+                                                    float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
                                                     const FlexcAttentionParams& p,
                                                     const FlexcArgs& args, int b, int h, int row0,
-                                                    int kv0, bool partial) {
-    const Idx idx(row0, kv0, p.q_len, p.kv_len);
+                                                    int col0, bool partial) {
+    const Idx idx = index(row0, col0, p);
     if constexpr (!FlexcVariant::kIdentityScore) {
-      for_each(s, idx, [&](float& x, int q_idx, int kv_idx, bool) {
-        x = FlexcVariant::score_mod(args, x * p.scale, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+      for_each(idx, [&](int i, int j, int e, int q_idx, int kv_idx, bool) {
+        const float x = s[i][j][e] * p.scale;
+        if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
+          grad[i][j][e] =
+              FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+        s[i][j][e] = FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
       });
     }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
       if (partial) {
-        for_each(s, idx, [&](float& x, int q_idx, int kv_idx, bool in_kv) {
+        for_each(idx, [&](int i, int j, int e, int q_idx, int kv_idx, bool in) {
           const bool keep =
-              in_kv & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
-          x = keep ? x : neg_inf();
+              in & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+          s[i][j][e] = keep ? s[i][j][e] : neg_inf();
         });
         return;
       }
     }
-    if (kv0 + NT * 8 > p.kv_len) {
-      for_each(s, idx, [&](float& x, int, int, bool in_kv) { x = in_kv ? x : neg_inf(); });
+    if (crosses_edge(row0, col0, p)) {
+      for_each(idx, [&](int i, int j, int e, int, int, bool in) {
+        s[i][j][e] = in ? s[i][j][e] : neg_inf();
+      });
     }
+  }
+  __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
+                                                    const FlexcAttentionParams& p,
+                                                    const FlexcArgs& args, int b, int h, int row0,
+                                                    int col0, bool partial) {
+    float unused[1][1][4];
+    apply_mods<false>(s, unused, p, args, b, h, row0, col0, partial);
   }
 };
 
@@ -151,6 +215,42 @@ __device__ __forceinline__ float units_log2(const FlexcAttentionParams& p) {
 }
 __device__ __forceinline__ float units_ln(const FlexcAttentionParams& p) {
   return FlexcVariant::kIdentityScore ? p.scale : 1.f;
+}
+
+// Writes a warp's MT x DT C fragments, row (i, r) times factor(i, r), into rows [tile_row,
+// tile_row + 16 MT) of a staging tile (shared memory in Tile's layout), in the input type.
+template <class Tile, bool BF16, int MT, int DT, class Factor>
+__device__ __forceinline__ void stage_fragments(const float (&acc)[MT][DT][4], Factor factor,
+                                                unsigned char* tile, int tile_row) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < DT; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = tile_row + i * 16 + g + r * 8, col = j * 8 + t * 2;
+        const float f = factor(i, r);
+        *reinterpret_cast<unsigned*>(tile + Tile::offset(row, col >> 3) + (col & 7) * 2) =
+            flexc_tile::pack2<BF16>(acc[i][j][2 * r] * f, acc[i][j][2 * r + 1] * f);
+      }
+}
+
+// Stores ROWS staged rows from tile_row of `tile` at out + (row0 + r) * stride with 16-byte
+// coalesced stores, one warp; rows at or past `len` are skipped.
+template <class Tile, int ROWS>
+__device__ __forceinline__ void store_staged(const unsigned char* tile, int tile_row,
+                                             unsigned short* out, long long stride, int row0,
+                                             int len) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int c = lane; c < ROWS * Tile::kChunks; c += 32) {
+    const int r = c / Tile::kChunks, ch = c % Tile::kChunks;
+    if (row0 + r < len) {
+      *reinterpret_cast<uint4*>(out + (row0 + r) * stride + ch * 8) =
+          *reinterpret_cast<const uint4*>(tile + Tile::offset(tile_row + r, ch));
+    }
+  }
 }
 
 // The epilogue of one warp: normalises its MT x DT accumulator tiles, stages them in rows
@@ -163,28 +263,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
                                            const float (&lse)[MT][2], unsigned char* tile,
                                            int tile_row, const FlexcAttentionParams& p, int b,
                                            int h, int row0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < DT; ++j)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = tile_row + i * 16 + g + r * 8, col = j * 8 + t * 2;
-        *reinterpret_cast<unsigned*>(tile + Tile::offset(row, col >> 3) + (col & 7) * 2) =
-            flexc_tile::pack2<BF16>(acc[i][j][2 * r] * inv_sum[i][r],
-                                    acc[i][j][2 * r + 1] * inv_sum[i][r]);
-      }
+  stage_fragments<Tile, BF16>(acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row);
   __syncwarp();
   auto* o = static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1];
-#pragma unroll
-  for (int c = lane; c < MT * 16 * Tile::kChunks; c += 32) {
-    const int r = c / Tile::kChunks, ch = c % Tile::kChunks;
-    if (row0 + r < p.q_len) {
-      *reinterpret_cast<uint4*>(o + (row0 + r) * p.o_stride[2] + ch * 8) =
-          *reinterpret_cast<const uint4*>(tile + Tile::offset(tile_row + r, ch));
-    }
-  }
+  store_staged<Tile, MT * 16>(tile, tile_row, o, p.o_stride[2], row0, p.q_len);
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if (p.lse != nullptr && t == 0) {
     float* out = p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
 #pragma unroll

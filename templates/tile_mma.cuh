@@ -214,6 +214,22 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
   return r;
 }
 
+// The low / high 16-bit value of a register as a float (exact).
+template <bool BF16>
+__device__ __forceinline__ float unpack_lo(unsigned v) {
+  if constexpr (BF16) {
+    return __uint_as_float(v << 16);
+  } else {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(static_cast<unsigned short>(v & 0xffffu)));
+    return f;
+  }
+}
+template <bool BF16>
+__device__ __forceinline__ float unpack_hi(unsigned v) {
+  return unpack_lo<BF16>(v >> 16);
+}
+
 // The A fragment of columns [16 kk, 16 kk + 16) of a row tile held as C fragments (P for P.V, in
 // the input type): the layouts agree, two n8 C tiles make one k16 A tile.
 template <bool BF16, int NT>

@@ -24,6 +24,7 @@
 #include "jit/compiler.h"
 #include "jit/jit.h"
 #include "test_random.h"
+#include "test_tensors.h"
 #include "variant_impl.h"
 
 using namespace flexc;
@@ -36,16 +37,8 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 using flexc::testing::rng;
 
-float round16(DType d, float x) {
-  return d == DType::BF16 ? bf16_to_float(float_to_bf16(x)) : fp16_to_float(float_to_fp16(x));
-}
-
-std::vector<float> normal(size_t n, DType d, float sd = 1.f) {
-  std::normal_distribution<float> nd(0.f, sd);
-  std::vector<float> v(n);
-  for (float& x : v) x = round16(d, nd(rng()));
-  return v;
-}
+using flexc::testing::normal;
+using flexc::testing::round16;
 
 // A problem on the host: q [B, Hq, Lq, D], k / v [B, Hkv, Lkv, D] with values exact in `dtype`.
 struct Problem {
@@ -456,7 +449,7 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
 TEST_CASE("the forward kernel has a configuration per head dim and compiles for each",
           "[attention]") {
   for (int d : {32, 64, 96, 128, 256}) {
-    const detail::FwdConfig c = detail::fwd_config(d);
+    const detail::TileConfig c = detail::fwd_config(d);
     INFO("D " << d);
     CHECK(c.block_m % (16 * (c.threads / 32)) == 0);
     CHECK(c.block_n % 16 == 0);

@@ -58,4 +58,38 @@ struct AttentionOptions {
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const Variant& variant, const AttentionOptions& opts = {});
 
+// What flexc::attention_backward writes.
+struct AttentionGrads {
+  // q's, k's and v's shapes, in q's dtype; any B / H / sequence strides (16-byte aligned rows,
+  // contiguous head dim). dk and dv are summed over the query heads of each kv head's group.
+  TensorView dq, dk, dv;
+  // Gradients of float captures that the score_mod reads differentiably, by name: float32
+  // tensors with the capture's shape and strides. The kernel adds into them (atomically), so
+  // zero them for a fresh gradient, or keep adding over several calls.
+  std::map<std::string, TensorView, std::less<>> captures;
+};
+
+struct BackwardOptions {
+  // The same BlockMask, captures, params and scale as the forward call.
+  const BlockMask* block_mask = nullptr;
+  std::map<std::string, TensorView, std::less<>> captures;
+  std::map<std::string, double, std::less<>> params;
+  std::optional<double> scale;
+  // The gradient of the loss with respect to the forward's LSE, when the loss uses it: float32
+  // [B, Hq, Q_LEN], contiguous.
+  std::optional<TensorView> dlse;
+  CUstream_st* stream = nullptr;
+};
+
+// The backward pass of flexc::attention: given the forward's inputs, its output `out` and its
+// `lse` (float32 [B, Hq, Q_LEN], contiguous: pass AttentionOptions::lse to the forward), and
+// dout = dL/dout, writes dq, dk, dv and adds the capture gradients (docs/attention.md). dk and
+// dv are deterministic; dq and capture gradients are accumulated with float32 atomics. D in {32,
+// 64, 96, 128}; BlockMask tiles multiples of 64 x 64. Enqueued on opts.stream with stream-ordered
+// workspace (B * Hq * Q_LEN * (D + 1) floats); throws flexc::Error naming the argument.
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const AttentionGrads& grads, const Variant& variant,
+                        const BackwardOptions& opts = {});
+
 }  // namespace flexc

@@ -22,6 +22,8 @@ constexpr KnownKernel kKernels[] = {
      &attention_fwd_spec},
     {"attention_fwd_sm90", "forward attention for Hopper (wgmma, sm_90a)", &attention_fwd_sm90_spec,
      "sm_90a"},
+    {"attention_bwd", "backward attention (FlashAttention-2 structure, mma.sync, sm_80+)",
+     &attention_bwd_spec},
     {"mods_eval", "the variant's mods over a grid of indices (tests)", &mods_eval_spec},
     {"blockmask_classify", "BlockMask: mask_mod over the tiles the analysis left undecided",
      &blockmask_classify_spec},

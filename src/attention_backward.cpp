@@ -1,0 +1,227 @@
+// flexc::attention_backward: validation, workspace, launch of templates/attention_bwd.cuh (its
+// three entries: prep, the main kernel, dq).
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+
+#include "../templates/attention_params.cuh"
+#include "attention_args.h"
+#include "attention_checks.h"
+#include "attention_kernel.h"
+#include "blockmask_impl.h"
+#include "flexc/attention.h"
+#include "flexc/error.h"
+#include "jit/driver_api.h"
+
+static_assert(offsetof(FlexcAttentionBwdParams, dout) == sizeof(FlexcAttentionParams) &&
+              offsetof(FlexcAttentionBwdParams, dlse) == sizeof(FlexcAttentionParams) + 128 &&
+              sizeof(FlexcAttentionBwdParams) == sizeof(FlexcAttentionParams) + 152);
+
+namespace flexc {
+
+namespace detail {
+
+TileConfig bwd_config(int head_dim) {
+  // 64 kv rows per CTA (4 warps of 16: dK and dV of D = 128 take 128 registers a thread), 64 q
+  // rows per step; shared memory: K, V, two stages of Q and dO, dS^T, two stages of LSE / delta.
+  if (head_dim != 32 && head_dim != 64 && head_dim != 96 && head_dim != 128)
+    throw Error(fmt::format("the backward kernel has no head dim {} (32, 64, 96 or 128)", head_dim));
+  TileConfig c{64, 64, 128, 2, 0};
+  c.smem_bytes = size_t(2) * head_dim * (2 * c.block_n + 2 * 2 * c.block_m) +
+                 size_t(2) * c.block_n * c.block_m + 2 * 2 * size_t(4) * c.block_m;
+  return c;
+}
+
+}  // namespace detail
+
+namespace jit {
+
+KernelSpec attention_bwd_spec(const KernelConfig& cfg) {
+  const detail::TileConfig c = detail::bwd_config(cfg.head_dim);
+  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
+    throw Error(fmt::format("attention_bwd: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
+  return {"attention_bwd.cuh",
+          "flexc_attention_bwd",
+          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+           {"FLEXC_WARPS", std::to_string(c.threads / 32)}},
+          cfg.arch};
+}
+
+}  // namespace jit
+
+namespace {
+
+constexpr std::string_view kWhat = "flexc::attention_backward";
+constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+
+[[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
+
+// A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse).
+void check_rows(const char* name, const TensorView& t, int64_t B, int64_t Hq, int64_t q_len) {
+  if (t.dtype != DType::F32 || t.shape != std::vector<int64_t>{B, Hq, q_len} ||
+      (!t.strides.empty() && t.strides != std::vector<int64_t>{Hq * q_len, q_len, 1}) ||
+      t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
+    fail(fmt::format("{} must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}", name,
+                     B, Hq, q_len, t.describe()));
+}
+
+// Stream-ordered device memory, freed on the same stream after the kernels that use it.
+class StreamBuffer {
+ public:
+  StreamBuffer(size_t bytes, CUstream stream) : stream_(stream) {
+    const jit::DriverApi& d = jit::driver("allocating flexc::attention_backward's workspace");
+    jit::check(d.cuMemAllocAsync(&ptr_, bytes ? bytes : 1, stream),
+               fmt::format("allocating {} bytes of workspace for {}", bytes, kWhat));
+  }
+  ~StreamBuffer() { jit::driver("freeing workspace").cuMemFreeAsync(ptr_, stream_); }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  CUdeviceptr ptr() const { return ptr_; }
+
+ private:
+  CUdeviceptr ptr_ = 0;
+  CUstream stream_;
+};
+
+}  // namespace
+
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const AttentionGrads& grads, const Variant& variant,
+                        const BackwardOptions& opts) {
+  const DType dtype = q.dtype;
+  const std::pair<const char*, const TensorView*> tensors[] = {
+      {"q", &q},         {"k", &k},         {"v", &v},        {"out", &out},
+      {"dout", &dout},   {"grads.dq", &grads.dq}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}};
+  for (auto [name, t] : tensors) detail::check_qkv(kWhat, name, *t, dtype);
+  const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], kv_len = k.shape[2];
+  if (k.shape[0] != B || k.shape[3] != D)
+    fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
+                     k.describe()));
+  for (auto [name, t] : {std::pair{"v", &v}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}})
+    if (t->shape != k.shape)
+      fail(fmt::format("{} must have k's shape; k {}, {} {}", name, k.describe(), name,
+                       t->describe()));
+  for (auto [name, t] : {std::pair{"out", &out}, {"dout", &dout}, {"grads.dq", &grads.dq}})
+    if (t->shape != q.shape)
+      fail(fmt::format("{} must have q's shape; q {}, {} {}", name, q.describe(), name,
+                       t->describe()));
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
+    fail(fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
+  if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
+  if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
+    fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
+  if (D != 32 && D != 64 && D != 96 && D != 128)
+    fail(fmt::format("q: head dim {} is not supported by the backward kernel (32, 64, 96 or 128)",
+                     D));
+  const detail::TileConfig cfg = detail::bwd_config(static_cast<int>(D));
+  check_rows("lse", lse, B, Hq, q_len);
+  if (opts.dlse) check_rows("dlse", *opts.dlse, B, Hq, q_len);
+  const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+  if (!(std::isfinite(scale) && scale > 0))
+    fail(fmt::format("scale must be finite and > 0; got {}", scale));
+  // Outputs are written while the inputs are read: none may share memory with another operand.
+  const std::pair<const char*, const TensorView*> outputs[] = {
+      {"grads.dq", &grads.dq}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}};
+  for (auto [name, o] : outputs) {
+    if (detail::self_overlaps(*o))
+      fail(fmt::format("{} has elements that share memory (a stride 0 or too small); {}", name,
+                       o->describe()));
+    for (auto [other, t] : tensors)
+      if (t != o && detail::overlap(*o, *t)) fail(fmt::format("{} overlaps {}", name, other));
+    if (detail::overlap(*o, lse)) fail(fmt::format("{} overlaps lse", name));
+  }
+  if (opts.block_mask)
+    detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, cfg.block_m,
+                             cfg.block_n);
+
+  const detail::VariantImpl& impl = variant.impl();
+  const std::string what = fmt::format("{} for '{}'", kWhat, impl.name);
+  const detail::CallDims dims{B, Hq, q_len, kv_len};
+  const std::vector<double> params = detail::resolve_params(impl, opts.params, what);
+  const auto captures = detail::resolve_captures(impl, opts.captures, dims, what);
+  FlexcArgs args = detail::kernel_args(impl, params, captures);
+  // Capture gradients: float32, at the capture's element offsets (same shape and strides).
+  for (const auto& [name, g] : grads.captures) {
+    detail::check_capture_name(impl, name, what);
+    size_t slot = 0;
+    while (impl.decls.captures[slot].name != name) ++slot;
+    const dsl::CaptureDecl& d = impl.decls.captures[slot];
+    if (d.dtype == dsl::DType::I32 || d.dtype == dsl::DType::Bool)
+      fail(fmt::format("grads.captures['{}']: capture '{}' is {}, which has no gradient", name,
+                       name, dsl::dtype_name(d.dtype)));
+    if (!captures[slot])
+      fail(fmt::format("grads.captures['{}']: pass the capture itself in opts.captures too", name));
+    const TensorView& c = *captures[slot];
+    if (g.dtype != DType::F32 || g.shape != c.shape || g.data == nullptr ||
+        reinterpret_cast<uintptr_t>(g.data) % 4 != 0)
+      fail(fmt::format("grads.captures['{}'] must be float32 with the capture's shape [{}]; got {}",
+                       name, fmt::join(c.shape, ", "), g.describe()));
+    for (size_t i = 0; i < c.rank(); ++i)
+      if (c.shape[i] > 1 && g.stride(i) != c.stride(i))
+        fail(fmt::format("grads.captures['{}'] must have the capture's strides ({}); got {}",
+                         name, c.describe(), g.describe()));
+    args.captures[slot].grad = static_cast<float*>(g.data);
+  }
+  if (q_len == 0 && kv_len == 0) return;
+
+  const detail::DeviceLimits dev = detail::device_limits();
+  if (dev.major < 8)
+    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
+                     dev.major, dev.minor));
+  if (cfg.smem_bytes > dev.max_smem)
+    fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
+                     D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
+
+  const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
+  const jit::KernelSpec main_spec = jit::attention_bwd_spec(kc);
+  jit::KernelSpec prep_spec = main_spec, dq_spec = main_spec;
+  prep_spec.entry = "flexc_attention_bwd_prep";
+  dq_spec.entry = "flexc_attention_bwd_dq";
+  const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
+  const std::vector<const jit::Kernel*> kernels = jit::get_kernels(variant, specs);
+
+  const int64_t rows = B * Hq * q_len;
+  const StreamBuffer work(static_cast<size_t>(rows) * (D + 1) * sizeof(float), opts.stream);
+  FlexcAttentionBwdParams p{};
+  FlexcAttentionParams& f = p.fwd;
+  f.q = q.data, f.k = k.data, f.v = v.data, f.o = out.data;
+  f.lse = static_cast<float*>(lse.data);
+  p.dout = dout.data, p.dq = grads.dq.data, p.dk = grads.dk.data, p.dv = grads.dv.data;
+  for (int i = 0; i < 3; ++i) {
+    f.q_stride[i] = q.stride(i), f.k_stride[i] = k.stride(i);
+    f.v_stride[i] = v.stride(i), f.o_stride[i] = out.stride(i);
+    p.do_stride[i] = dout.stride(i), p.dq_stride[i] = grads.dq.stride(i);
+    p.dk_stride[i] = grads.dk.stride(i), p.dv_stride[i] = grads.dv.stride(i);
+  }
+  f.batch = int(B), f.q_heads = int(Hq), f.kv_heads = int(Hkv);
+  f.q_len = int(q_len), f.kv_len = int(kv_len);
+  f.scale = static_cast<float>(scale);
+  f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;
+  p.delta = reinterpret_cast<float*>(work.ptr());
+  p.dq_accum = p.delta + rows;
+  FlexcBlockMask bm{};
+  if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
+
+  // No queries: dk and dv are zeros (the main kernel visits no q tile). No keys: dq is zeros
+  // (the accumulator prep zeroed).
+  void* prep_args[] = {&p};
+  void* main_args[] = {&p, &args, &bm};
+  if (q_len > 0)
+    kernels[0]->launch(unsigned((q_len + 7) / 8), unsigned(Hq), unsigned(B), 256, 0, opts.stream,
+                       prep_args);
+  if (kv_len > 0)
+    kernels[1]->launch(unsigned((kv_len + cfg.block_n - 1) / cfg.block_n), unsigned(Hkv),
+                       unsigned(B), unsigned(cfg.threads), cfg.smem_bytes, opts.stream, main_args);
+  if (q_len > 0)
+    kernels[2]->launch(unsigned((q_len * (D / 8) + 255) / 256), unsigned(Hq), unsigned(B), 256, 0,
+                       opts.stream, prep_args);
+}
+
+}  // namespace flexc

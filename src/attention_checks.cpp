@@ -1,0 +1,121 @@
+#include "attention_checks.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "flexc/error.h"
+#include "jit/driver_api.h"
+
+namespace flexc::detail {
+
+DeviceLimits device_limits() {
+  const jit::DriverApi& d = jit::driver("querying the GPU for flexc::attention");
+  jit::current_context();
+  CUdevice dev = 0;
+  jit::check(d.cuCtxGetDevice(&dev), "querying the current context's device");
+  static std::mutex mu;
+  static std::unordered_map<int, DeviceLimits> known;
+  std::lock_guard lk(mu);
+  auto it = known.find(static_cast<int>(dev));
+  if (it != known.end()) return it->second;
+  DeviceLimits l;
+  int smem = 0;
+  jit::check(d.cuDeviceGetAttribute(&l.major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+             "querying the GPU's compute capability");
+  jit::check(d.cuDeviceGetAttribute(&l.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+             "querying the GPU's compute capability");
+  jit::check(d.cuDeviceGetAttribute(&smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                                    dev),
+             "querying the GPU's shared memory per block");
+  l.max_smem = static_cast<size_t>(smem);
+  return known.emplace(static_cast<int>(dev), l).first->second;
+}
+
+namespace {
+
+// [first, last] byte range a view spans.
+std::pair<uintptr_t, uintptr_t> span_of(const TensorView& t) {
+  uintptr_t lo = reinterpret_cast<uintptr_t>(t.data), hi = lo;
+  for (size_t i = 0; i < t.rank(); ++i) hi += (t.shape[i] - 1) * t.stride(i) * dtype_size(t.dtype);
+  return {lo, hi + dtype_size(t.dtype) - 1};
+}
+
+}  // namespace
+
+void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype) {
+  const auto fail = [&](const std::string& msg) { throw Error(fmt::format("{}: {}", what, msg)); };
+  if (t.rank() != 4)
+    fail(fmt::format("{} must be [B, H, SEQ, D]; got rank {} ({})", name, t.rank(), t.describe()));
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16)
+    fail(fmt::format("{} is {}; bf16 or fp16 expected", name, dtype_name(t.dtype)));
+  if (t.dtype != dtype)
+    fail(fmt::format("{} is {} but q is {}; all four must have one dtype", name,
+                     dtype_name(t.dtype), dtype_name(dtype)));
+  if (t.data == nullptr) fail(fmt::format("{} has no data", name));
+  if (!t.strides.empty() && t.strides.size() != 4)
+    fail(fmt::format("{}: {} strides for rank 4", name, t.strides.size()));
+  for (size_t i = 0; i < 4; ++i)
+    if (t.shape[i] < 0 || t.stride(i) < 0)
+      fail(fmt::format("{}: negative size or stride ({})", name, t.describe()));
+  if (t.stride(3) != 1)
+    fail(fmt::format("{}: the head dim must be contiguous (stride 1); {}", name, t.describe()));
+  for (size_t i = 0; i < 3; ++i)
+    if (t.stride(i) % 8 != 0)
+      fail(fmt::format("{}: strides must be multiples of 8 elements (16-byte aligned rows); {}",
+                       name, t.describe()));
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    fail(fmt::format("{}: data must be 16-byte aligned", name));
+}
+
+bool is_empty(const TensorView& t) {
+  return std::find(t.shape.begin(), t.shape.end(), 0) != t.shape.end();
+}
+
+bool overlap(const TensorView& a, const TensorView& b) {
+  if (is_empty(a) || is_empty(b)) return false;
+  const auto [alo, ahi] = span_of(a);
+  const auto [blo, bhi] = span_of(b);
+  return alo <= bhi && blo <= ahi;
+}
+
+bool self_overlaps(const TensorView& t) {
+  if (is_empty(t)) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // stride, size
+  for (size_t i = 0; i < t.rank(); ++i)
+    if (t.shape[i] > 1) dims.emplace_back(t.stride(i), t.shape[i]);
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // elements spanned by the dims so far, minus one
+  for (auto [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += (size - 1) * stride;
+  }
+  return false;
+}
+
+bool tiles_fit(const BlockMask& bm, int block_m, int block_n) {
+  return bm.q_tile() % block_m == 0 && bm.kv_tile() % block_n == 0;
+}
+
+void check_block_mask(std::string_view what, const BlockMask& bm, int64_t B, int64_t Hq,
+                      int64_t q_len, int64_t kv_len, int block_m, int block_n) {
+  const auto fail = [&](const std::string& msg) { throw Error(fmt::format("{}: {}", what, msg)); };
+  if (bm.q_len() != q_len || bm.kv_len() != kv_len)
+    fail(fmt::format("block_mask was built for q_len {}, kv_len {}; the call has {}, {}",
+                     bm.q_len(), bm.kv_len(), q_len, kv_len));
+  if (bm.nb() != 1 && bm.nb() != B)
+    fail(fmt::format("block_mask has {} batches; the call has B = {} (1 broadcasts)", bm.nb(), B));
+  if (bm.nh() != 1 && bm.nh() != Hq)
+    fail(fmt::format("block_mask has {} heads; the call has {} query heads (1 broadcasts)",
+                     bm.nh(), Hq));
+  if (!tiles_fit(bm, block_m, block_n))
+    fail(fmt::format("block_mask tiles {} x {} must be multiples of the kernel's {} x {}",
+                     bm.q_tile(), bm.kv_tile(), block_m, block_n));
+}
+
+}  // namespace flexc::detail

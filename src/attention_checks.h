@@ -1,0 +1,42 @@
+// Argument checks and device facts shared by the attention entry points (forward in
+// src/attention.cpp, backward in src/attention_backward.cpp). Each check throws flexc::Error
+// "<what>: <message>", `what` naming the call ("flexc::attention").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "flexc/blockmask.h"
+#include "flexc/tensor.h"
+
+namespace flexc::detail {
+
+// The current context's device, queried once per device.
+struct DeviceLimits {
+  int major = 0, minor = 0;
+  size_t max_smem = 0;  // opt-in maximum per block
+};
+DeviceLimits device_limits();
+
+// q / k / v / out and their gradients: rank 4, bf16 or fp16 equal to `dtype` (q's), data set,
+// contiguous head dim, 16-byte aligned rows.
+void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype);
+
+// No elements (tested per dim: numel() can overflow on shapes not yet bounded).
+bool is_empty(const TensorView& t);
+// Whether the byte ranges of two views intersect.
+bool overlap(const TensorView& a, const TensorView& b);
+// Whether two elements of `t` share memory: with the dims of size > 1 ordered by stride, each
+// stride must step past everything the smaller ones span (a sufficient test; it admits every
+// permutation of a packed layout and rejects stride 0 broadcasts).
+bool self_overlaps(const TensorView& t);
+
+// Whether the BlockMask's tiles split into a kernel's block_m x block_n tiles.
+bool tiles_fit(const BlockMask& bm, int block_m, int block_n);
+// The BlockMask matches the call (lengths; nb / nh 1 or B / Hq) and its tiles split into the
+// kernel's.
+void check_block_mask(std::string_view what, const BlockMask& bm, int64_t B, int64_t Hq,
+                      int64_t q_len, int64_t kv_len, int block_m, int block_n);
+
+}  // namespace flexc::detail

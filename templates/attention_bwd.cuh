@@ -1,0 +1,327 @@
+// Backward attention, FlashAttention-2 structure, portable to sm_80 and newer. Three entries,
+// launched in order on one stream:
+//
+//   flexc_attention_bwd_prep  per query row: delta = rowsum(dO * O) - dlse, and the row of the
+//                             float32 dQ accumulator zeroed.
+//   flexc_attention_bwd       one CTA per (kv tile, kv head, batch). K_j and V_j stay in shared
+//                             memory, dK_j and dV_j in registers (each warp 16 kv rows), while the
+//                             CTA walks, for every query head of the kv head's group, the q tiles
+//                             that the BlockMask's column lists name (partial, then full):
+//                               S^T = K Q^T  (rows: keys; hooks on logical q_idx / kv_idx)
+//                               P^T = exp(S^T - LSE)                  from the forward's LSE
+//                               dV += P^T dO,  dP^T = V dO^T
+//                               dS^T = P^T (dP^T - delta) d score_mod / d score
+//                               dK += dS^T Q,  dQ += dS K             (dQ: float32 atomics)
+//                             Capture gradients: dS before the score_mod factor, through the
+//                             variant's accumulate_capture_grads (float32 atomics).
+//   flexc_attention_bwd_dq    dQ = scale * accumulator, in the input dtype.
+//
+// dK and dV are summed over the group's query heads inside the CTA (no atomics: deterministic);
+// dQ and capture gradients use float32 atomics. Elements past either length, masked ones and
+// rows whose LSE is -inf (no unmasked element) contribute exactly 0.
+//
+// Compile-time configuration (KernelSpec defines): FLEXC_HEAD_DIM, FLEXC_BF16, FLEXC_BLOCK_M (q
+// rows per step), FLEXC_BLOCK_N (kv rows per CTA), FLEXC_WARPS.
+#include "attention_tile.cuh"
+#include "tile_mma.cuh"
+
+namespace flexc_bwd {
+
+using namespace flexc_tile;
+using flexc_attn::at;
+
+constexpr int kD = FLEXC_HEAD_DIM;
+constexpr bool kBf16 = FLEXC_BF16 != 0;
+constexpr int kBlockM = FLEXC_BLOCK_M;
+constexpr int kBlockN = FLEXC_BLOCK_N;
+constexpr int kWarps = FLEXC_WARPS;
+constexpr int kThreads = kWarps * 32;
+constexpr int kNT = kBlockM / 8;       // n8 column tiles (queries) of a warp's S^T
+constexpr int kDT = kD / 8;            // n8 column tiles of dK, dV, dQ
+constexpr int kQRows = kBlockM / kWarps;  // dQ rows per warp
+constexpr int kMQ = kQRows / 16;
+
+static_assert(kBlockN == 16 * kWarps, "each warp owns 16 kv rows");
+static_assert(kQRows % 16 == 0, "each warp owns a multiple of 16 dQ rows");
+static_assert(kD % 32 == 0 && kD <= 128, "head dim: a multiple of 32, at most 128");
+
+using KvTile = SmemTile<kBlockN, kD>;
+using QTile = SmemTile<kBlockM, kD>;
+using DsTile = SmemTile<kBlockN, kBlockM>;  // dS^T: rows keys, columns queries
+// Shared memory: K, V, then two stages of (Q, dO), dS^T, and two stages of per-row LSE * log2(e)
+// and delta. The host computes the same size for the launch.
+constexpr int kStageBytes = 2 * QTile::kBytes;
+constexpr int kRowBytes = 2 * kBlockM * 4;
+constexpr int kSmemBytes = 2 * KvTile::kBytes + 2 * kStageBytes + DsTile::kBytes + 2 * kRowBytes;
+
+using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Kv>;
+using QSchedule = flexc_attn::QSchedule<kBlockM>;
+
+}  // namespace flexc_bwd
+
+// delta = rowsum(dO * O) - dlse, one warp per row; zeroes the row's dQ accumulator.
+extern "C" __global__ void __launch_bounds__(256)
+    flexc_attention_bwd_prep(const FlexcAttentionBwdParams p) {
+  using namespace flexc_bwd;
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+  const int h = blockIdx.y, b = blockIdx.z;
+  if (row >= p.fwd.q_len) return;
+  const auto* o = at<unsigned short>(p.fwd.o, p.fwd.o_stride, b, h) + row * p.fwd.o_stride[2];
+  const auto* d = at<unsigned short>(p.dout, p.do_stride, b, h) + row * p.do_stride[2];
+  float sum = 0.f;
+  for (int c = lane * 2; c < kD; c += 64) {
+    const unsigned ov = *reinterpret_cast<const unsigned*>(o + c);
+    const unsigned dv = *reinterpret_cast<const unsigned*>(d + c);
+    sum += unpack_lo<kBf16>(ov) * unpack_lo<kBf16>(dv) + unpack_hi<kBf16>(ov) * unpack_hi<kBf16>(dv);
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  const long long r = (static_cast<long long>(b) * p.fwd.q_heads + h) * p.fwd.q_len + row;
+  if (lane == 0) p.delta[r] = p.dlse ? sum - p.dlse[r] : sum;
+  for (int c = lane; c < kD; c += 32) p.dq_accum[r * kD + c] = 0.f;
+}
+
+extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
+    flexc_attention_bwd(const FlexcAttentionBwdParams bp, const FlexcArgs args,
+                        const FlexcBlockMask bm) {
+  using namespace flexc_bwd;
+  const FlexcAttentionParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const unsigned k_tile = smem_addr(smem);
+  const unsigned v_tile = k_tile + KvTile::kBytes;
+  auto q_tile = [&](int stage) { return v_tile + KvTile::kBytes + stage * kStageBytes; };
+  auto do_tile = [&](int stage) { return q_tile(stage) + QTile::kBytes; };
+  unsigned char* ds_bytes = smem + 2 * KvTile::kBytes + 2 * kStageBytes;
+  const unsigned ds_tile = smem_addr(ds_bytes);
+  float* rows = reinterpret_cast<float*>(ds_bytes + DsTile::kBytes);
+  auto lse2_of = [&](int stage) { return rows + stage * 2 * kBlockM; };
+  auto delta_of = [&](int stage) { return rows + stage * 2 * kBlockM + kBlockM; };
+
+  const int kv0 = blockIdx.x * kBlockN;
+  const int h_kv = blockIdx.y, b = blockIdx.z;
+  const int group = p.q_heads / p.kv_heads;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = kv0 + warp * 16;  // this warp's first kv row
+
+  const TileCopy<KvTile, kThreads> copy_kv;
+  copy_kv(k_tile, at<unsigned short>(p.k, p.k_stride, b, h_kv), p.k_stride[2], kv0, p.kv_len);
+  copy_kv(v_tile, at<unsigned short>(p.v, p.v_stride, b, h_kv), p.v_stride[2], kv0, p.kv_len);
+  cp_async_commit();
+
+  // The (query head, q tile) steps: every head of the group, each with its column's schedule.
+  int hq = h_kv * group;
+  QSchedule sched(bm, b, hq, kv0, p.q_len);
+  QSchedule::Cursor fetch, cur;
+  int fetch_h = hq, fetch_left = sched.count;
+  QSchedule fetch_sched = sched;
+  const TileCopy<QTile, kThreads> copy_q;
+  // Issues the copies of the next step's Q and dO tiles into `stage`, and its rows' LSE and delta
+  // (plain stores: visible after the next __syncthreads). Returns false when no step is left.
+  auto load_step = [&](int stage) {
+    while (fetch_left == 0 && fetch_h + 1 < (h_kv + 1) * group) {
+      ++fetch_h;
+      fetch_sched = QSchedule(bm, b, fetch_h, kv0, p.q_len);
+      fetch = {};
+      fetch_left = fetch_sched.count;
+    }
+    if (fetch_left == 0) return false;
+    const int q0 = fetch_sched.start(fetch);
+    copy_q(q_tile(stage), at<unsigned short>(p.q, p.q_stride, b, fetch_h), p.q_stride[2], q0,
+           p.q_len);
+    copy_q(do_tile(stage), at<unsigned short>(bp.dout, bp.do_stride, b, fetch_h),
+           bp.do_stride[2], q0, p.q_len);
+    const long long base = (static_cast<long long>(b) * p.q_heads + fetch_h) * p.q_len;
+    for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+      const int q = q0 + r;
+      const float l = q < p.q_len ? p.lse[base + q] : neg_inf();
+      // A row with no unmasked element (LSE -inf), or past q_len, gets P = 2^-inf = 0.
+      lse2_of(stage)[r] = l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+      delta_of(stage)[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
+    }
+    fetch_sched.advance(fetch);
+    --fetch_left;
+    return true;
+  };
+
+  float dk[1][kDT][4], dv[1][kDT][4];
+  zero_fragments(dk);
+  zero_fragments(dv);
+  const auto frag_a_kv = FragAddr<KvTile>::a();
+  const auto frag_b_kv = FragAddr<KvTile>::b_kn();
+  const auto frag_b_q = FragAddr<QTile>::b_nk();
+  const auto frag_bt_q = FragAddr<QTile>::b_kn();
+  const auto frag_a_ds = FragAddr<DsTile>::b_nk();  // A of dS from dS^T, with ldmatrix .trans
+  const float to_log2 = flexc_attn::units_log2(p);
+
+  bool more = load_step(0);
+  cp_async_commit();
+  for (int it = 0; more; ++it) {
+    cp_async_wait<0>();
+    // This step's tiles are visible, and every warp is done with the stage refilled next and
+    // with the dS^T tile of the last step.
+    __syncthreads();
+    const int stage = it & 1;
+    more = load_step(stage ^ 1);
+    cp_async_commit();
+    while (cur.blk * sched.per_block + cur.sub >= sched.count) {
+      sched = QSchedule(bm, b, ++hq, kv0, p.q_len);
+      cur = {};
+    }
+    const int q0 = sched.start(cur);
+    const bool partial = sched.is_partial(cur);
+    sched.advance(cur);
+
+    // S^T = K Q^T for this warp's 16 kv rows.
+    float s[1][kNT][4];
+    zero_fragments(s);
+#pragma unroll
+    for (int kk = 0; kk < kD; kk += 16) {
+      unsigned a[1][4];
+      ldmatrix_x4(a[0], frag_a_kv(k_tile, warp * 16, kk / 8));
+      mma_rows<kBf16>(s, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4(bf, frag_b_q(q_tile(stage), n, kk / 8));
+      });
+    }
+    // The pre-mod score, for capture gradients.
+    float x[FlexcVariant::kHasCaptureGrads ? kNT : 1][4];
+    if constexpr (FlexcVariant::kHasCaptureGrads) {
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = s[0][j][e] * p.scale;
+    }
+    constexpr bool kGrad = !FlexcVariant::kScoreGradIsOne;
+    float grad[1][kGrad ? kNT : 1][4];
+    Scores::apply_mods<kGrad>(s, grad, p, args, b, hq, row0, q0, partial);
+
+    // P^T from the forward's LSE, in place.
+    const float* lse2 = lse2_of(stage);
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[0][j][e] = exp2_approx(fmaf(s[0][j][e], to_log2, -lse2[j * 8 + (lane & 3) * 2 + (e & 1)]));
+
+    // dV += P^T dO
+#pragma unroll
+    for (int kk = 0; kk < kBlockM; kk += 16) {
+      unsigned a[1][4];
+      c_to_a<kBf16>(s[0], kk / 16, a[0]);
+      mma_rows<kBf16>(dv, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4_trans(bf, frag_bt_q(do_tile(stage), kk, n / 8));
+      });
+    }
+    // dP^T = V dO^T
+    float dp[1][kNT][4];
+    zero_fragments(dp);
+#pragma unroll
+    for (int kk = 0; kk < kD; kk += 16) {
+      unsigned a[1][4];
+      ldmatrix_x4(a[0], frag_a_kv(v_tile, warp * 16, kk / 8));
+      mma_rows<kBf16>(dp, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4(bf, frag_b_q(do_tile(stage), n, kk / 8));
+      });
+    }
+    // dS^T = P^T (dP^T - delta) d score_mod / d score; where P is 0 (masked, past a length, a
+    // score_mod of -inf) dS is exactly 0 whatever the derivative there.
+    const float* delta = delta_of(stage);
+    const Scores::Idx idx = Scores::index(row0, q0, p);
+    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool in) {
+      const float pv = s[0][j][e];
+      float ds = pv * (dp[0][j][e] - delta[j * 8 + (lane & 3) * 2 + (e & 1)]);
+      if constexpr (FlexcVariant::kHasCaptureGrads) {
+        if (in && pv != 0.f)
+          FlexcVariant::accumulate_capture_grads(args, ds, x[j][e], b, hq, q_idx, kv_idx,
+                                                 p.q_len, p.kv_len);
+      }
+      if constexpr (kGrad) ds *= grad[0][j][e];
+      dp[0][j][e] = pv == 0.f ? 0.f : ds;
+    });
+
+    // dK += dS^T Q
+#pragma unroll
+    for (int kk = 0; kk < kBlockM; kk += 16) {
+      unsigned a[1][4];
+      c_to_a<kBf16>(dp[0], kk / 16, a[0]);
+      mma_rows<kBf16>(dk, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4_trans(bf, frag_bt_q(q_tile(stage), kk, n / 8));
+      });
+    }
+    // dS^T to shared memory, then each warp takes kQRows query rows of dQ += dS K.
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = warp * 16 + (lane >> 2) + r * 8, col = j * 8 + (lane & 3) * 2;
+        *reinterpret_cast<unsigned*>(ds_bytes + DsTile::offset(row, col >> 3) + (col & 7) * 2) =
+            pack2<kBf16>(dp[0][j][2 * r], dp[0][j][2 * r + 1]);
+      }
+    __syncthreads();
+    float dq[kMQ][kDT][4];
+    zero_fragments(dq);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN; kk += 16) {
+      unsigned a[kMQ][4];
+#pragma unroll
+      for (int i = 0; i < kMQ; ++i)
+        ldmatrix_x4_trans(a[i], frag_a_ds(ds_tile, kk, (warp * kQRows + i * 16) / 8));
+      mma_rows<kBf16>(dq, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4_trans(bf, frag_b_kv(k_tile, kk, n / 8));
+      });
+    }
+    float* acc = bp.dq_accum + ((static_cast<long long>(b) * p.q_heads + hq) * p.q_len) * kD;
+#pragma unroll
+    for (int i = 0; i < kMQ; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int q = q0 + warp * kQRows + i * 16 + (lane >> 2) + r * 8;
+        if (q < p.q_len) {
+#pragma unroll
+          for (int j = 0; j < kDT; ++j) {
+            atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2,
+                      dq[i][j][2 * r]);
+            atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2 + 1,
+                      dq[i][j][2 * r + 1]);
+          }
+        }
+      }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // dK (times the softmax scale) and dV through the K and V tiles, which no warp reads any more:
+  // each warp stages its own 16 rows, then stores them with 16-byte stores.
+  flexc_attn::stage_fragments<KvTile, kBf16>(dk, [&](int, int) { return p.scale; }, smem, warp * 16);
+  flexc_attn::stage_fragments<KvTile, kBf16>(dv, [](int, int) { return 1.f; }, smem + KvTile::kBytes,
+                                             warp * 16);
+  __syncwarp();
+  flexc_attn::store_staged<KvTile, 16>(
+      smem, warp * 16,
+      static_cast<unsigned short*>(bp.dk) + b * bp.dk_stride[0] + h_kv * bp.dk_stride[1],
+      bp.dk_stride[2], row0, p.kv_len);
+  flexc_attn::store_staged<KvTile, 16>(
+      smem + KvTile::kBytes, warp * 16,
+      static_cast<unsigned short*>(bp.dv) + b * bp.dv_stride[0] + h_kv * bp.dv_stride[1],
+      bp.dv_stride[2], row0, p.kv_len);
+}
+
+// dQ = scale * accumulator, in the input type: one thread per 8 elements (one 16-byte store).
+extern "C" __global__ void __launch_bounds__(256)
+    flexc_attention_bwd_dq(const FlexcAttentionBwdParams p) {
+  using namespace flexc_bwd;
+  constexpr int kChunks = kD / 8;
+  const long long i = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int row = static_cast<int>(i / kChunks), ch = static_cast<int>(i % kChunks);
+  if (row >= p.fwd.q_len) return;
+  const float* acc =
+      p.dq_accum + ((static_cast<long long>(b) * p.fwd.q_heads + h) * p.fwd.q_len + row) * kD +
+      ch * 8;
+  uint4 out;
+  unsigned* w = reinterpret_cast<unsigned*>(&out);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = pack2<kBf16>(acc[2 * k] * p.fwd.scale, acc[2 * k + 1] * p.fwd.scale);
+  auto* dq = static_cast<unsigned short*>(p.dq) + b * p.dq_stride[0] + h * p.dq_stride[1];
+  *reinterpret_cast<uint4*>(dq + row * p.dq_stride[2] + ch * 8) = out;
+}

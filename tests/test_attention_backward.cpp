@@ -1,0 +1,241 @@
+// Backward attention: argument validation and configurations (CI), and the kernel's gradients on
+// the GPU ([gpu]) against attention's gradient written out directly in float64, independent of
+// the DSL and of flexc's reference.
+#include <fmt/format.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+
+#include "attention_kernel.h"
+#include "flexc/attention.h"
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/variant.h"
+#include "jit/driver.h"
+#include "test_random.h"
+#include "test_tensors.h"
+
+using namespace flexc;
+using flexc::testing::rng;
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+using flexc::testing::normal;
+using flexc::testing::round16;
+
+// A score_mod written out: the modded score (or -inf where masked) and its derivative.
+struct Mod {
+  std::function<double(double, int64_t, int64_t, int64_t, int64_t)> value;
+  std::function<double(double, int64_t, int64_t, int64_t, int64_t)> grad;
+};
+
+struct Shape {
+  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64;
+};
+
+struct Grads {
+  std::vector<double> dq, dk, dv;
+};
+
+// The gradient of sum(out * dout) for attention with `mod`, in float64.
+Grads direct_backward(const Shape& s, const std::vector<float>& q, const std::vector<float>& k,
+                      const std::vector<float>& v, const std::vector<float>& dout, double scale,
+                      const Mod& mod) {
+  Grads g;
+  g.dq.assign(q.size(), 0), g.dk.assign(k.size(), 0), g.dv.assign(v.size(), 0);
+  const int64_t D = s.D;
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.Hq; ++h)
+      for (int64_t i = 0; i < s.Lq; ++i) {
+        const int64_t row = (b * s.Hq + h) * s.Lq + i, hk = h / (s.Hq / s.Hkv);
+        auto kv_at = [&](int64_t j) { return ((b * s.Hkv + hk) * s.Lkv + j) * D; };
+        std::vector<double> x(s.Lkv), sc(s.Lkv), p(s.Lkv);
+        double mx = -kInf;
+        for (int64_t j = 0; j < s.Lkv; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) dot += double(q[row * D + d]) * k[kv_at(j) + d];
+          x[j] = dot * scale;
+          sc[j] = mod.value(x[j], b, h, i, j);
+          mx = std::max(mx, sc[j]);
+        }
+        if (mx == -kInf) continue;
+        double l = 0;
+        for (int64_t j = 0; j < s.Lkv; ++j) l += p[j] = std::exp(sc[j] - mx);
+        std::vector<double> o(D, 0);
+        for (int64_t j = 0; j < s.Lkv; ++j) {
+          p[j] /= l;
+          for (int64_t d = 0; d < D; ++d) o[d] += p[j] * v[kv_at(j) + d];
+        }
+        double delta = 0;
+        for (int64_t d = 0; d < D; ++d) delta += double(dout[row * D + d]) * o[d];
+        for (int64_t j = 0; j < s.Lkv; ++j) {
+          if (p[j] == 0) continue;
+          double dp = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dp += double(dout[row * D + d]) * v[kv_at(j) + d];
+            g.dv[kv_at(j) + d] += p[j] * dout[row * D + d];
+          }
+          const double ds = p[j] * (dp - delta) * mod.grad(x[j], b, h, i, j) * scale;
+          for (int64_t d = 0; d < D; ++d) {
+            g.dq[row * D + d] += ds * k[kv_at(j) + d];
+            g.dk[kv_at(j) + d] += ds * q[row * D + d];
+          }
+        }
+      }
+  return g;
+}
+
+// rmse(got - want) / rms(want).
+double relative_rmse(const std::vector<float>& got, const std::vector<double>& want) {
+  REQUIRE(got.size() == want.size());
+  double e = 0, n = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) return kInf;
+    e += (got[i] - want[i]) * (got[i] - want[i]);
+    n += want[i] * want[i];
+  }
+  return n == 0 ? std::sqrt(e) : std::sqrt(e / n);
+}
+
+jit::DeviceBuffer upload16(DType d, const std::vector<float>& x, const std::vector<int64_t>& shape,
+                           TensorView& view) {
+  std::vector<uint16_t> bits(std::max<size_t>(x.size(), 8), 0);
+  for (size_t i = 0; i < x.size(); ++i)
+    bits[i] = d == DType::BF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
+  jit::DeviceBuffer buf(bits.size() * 2);
+  buf.upload(bits.data(), bits.size() * 2);
+  view = TensorView{buf.get(), d, shape, {}};
+  return buf;
+}
+
+std::vector<float> download16(DType d, const jit::DeviceBuffer& buf, size_t n) {
+  const std::vector<uint16_t> bits = buf.to_vector<uint16_t>(n);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = d == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
+  return out;
+}
+
+// Forward (to get out and lse) then backward on the GPU, against direct_backward.
+void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dtype,
+                bool block_mask, const std::map<std::string, TensorView, std::less<>>& captures = {},
+                const std::map<std::string, CaptureData, std::less<>>& mask_captures = {}) {
+  INFO(fmt::format("{} {} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}", variant.name(),
+                   dtype_name(dtype), s.B, s.Hq, s.Hkv, s.Lq, s.Lkv, s.D,
+                   block_mask ? "" : " dense"));
+  const std::vector<int64_t> qs{s.B, s.Hq, s.Lq, s.D}, ks{s.B, s.Hkv, s.Lkv, s.D};
+  const std::vector<float> q = normal(s.B * s.Hq * s.Lq * s.D, dtype),
+                           k = normal(s.B * s.Hkv * s.Lkv * s.D, dtype),
+                           v = normal(s.B * s.Hkv * s.Lkv * s.D, dtype),
+                           dout = normal(q.size(), dtype);
+  const std::vector<float> nan(q.size(), std::numeric_limits<float>::quiet_NaN());
+  const std::vector<float> nan_kv(k.size(), std::numeric_limits<float>::quiet_NaN());
+  TensorView tq, tk, tv, tout, tdout, tdq, tdk, tdv;
+  const auto bq = upload16(dtype, q, qs, tq), bk = upload16(dtype, k, ks, tk),
+             bv = upload16(dtype, v, ks, tv), bout = upload16(dtype, nan, qs, tout),
+             bdout = upload16(dtype, dout, qs, tdout), bdq = upload16(dtype, nan, qs, tdq),
+             bdk = upload16(dtype, nan_kv, ks, tdk), bdv = upload16(dtype, nan_kv, ks, tdv);
+  jit::DeviceBuffer blse(std::max<int64_t>(s.B * s.Hq * s.Lq, 4) * 4);
+  const TensorView tlse{blse.get(), DType::F32, {s.B, s.Hq, s.Lq}, {}};
+
+  std::optional<BlockMask> bm;
+  if (block_mask && !variant.mask_always_true()) {
+    BlockMaskOptions bmo;
+    bmo.captures = mask_captures;
+    bm = create_block_mask(variant, s.B, s.Hq, s.Lq, s.Lkv, bmo);
+  }
+  AttentionOptions fo;
+  fo.block_mask = bm ? &*bm : nullptr;
+  fo.captures = captures;
+  fo.lse = tlse;
+  attention(tq, tk, tv, tout, variant, fo);
+  BackwardOptions bo;
+  bo.block_mask = fo.block_mask;
+  bo.captures = captures;
+  attention_backward(tq, tk, tv, tout, tlse, tdout, {tdq, tdk, tdv, {}}, variant, bo);
+  jit::synchronize_device();
+
+  const Grads want = direct_backward(s, q, k, v, dout, 1.0 / std::sqrt(double(s.D)), mod);
+  // bf16 rounds P and dS before their products (as FlashAttention does): about 2^-8 relative.
+  const double bar = dtype == DType::BF16 ? 2e-2 : 4e-3;
+  const double eq = relative_rmse(download16(dtype, bdq, q.size()), want.dq);
+  const double ek = relative_rmse(download16(dtype, bdk, k.size()), want.dk);
+  const double ev = relative_rmse(download16(dtype, bdv, v.size()), want.dv);
+  INFO(fmt::format("relative rmse dq {:.3g} dk {:.3g} dv {:.3g} (bar {:.3g})", eq, ek, ev, bar));
+  CHECK(eq < bar);
+  CHECK(ek < bar);
+  CHECK(ev < bar);
+}
+
+#define SKIP_WITHOUT_GPU()      \
+  if (!jit::gpu_available()) {  \
+    WARN("no GPU: skipped");    \
+    return;                     \
+  }
+
+Mod plain() {
+  return {[](double x, auto...) { return x; }, [](double, auto...) { return 1.0; }};
+}
+
+}  // namespace
+
+TEST_CASE("attention_backward names the bad argument", "[attention]") {
+  const Variant v = Variant::from_catalogue("noop");
+  // Separate host buffers (validation never touches the data): no two views overlap.
+  std::vector<std::vector<uint16_t>> mem(7, std::vector<uint16_t>(4096));
+  const TensorView q{mem[0].data(), DType::BF16, {1, 2, 16, 64}, {}};
+  const TensorView k{mem[1].data(), DType::BF16, {1, 1, 16, 64}, {}};
+  const TensorView lse{mem[2].data(), DType::F32, {1, 2, 16}, {}};
+  const TensorView dq{mem[3].data(), DType::BF16, {1, 2, 16, 64}, {}};
+  const TensorView dk{mem[4].data(), DType::BF16, {1, 1, 16, 64}, {}};
+  const TensorView dv{mem[5].data(), DType::BF16, {1, 1, 16, 64}, {}};
+  const TensorView out{mem[6].data(), DType::BF16, {1, 2, 16, 64}, {}};
+  const auto error = [&](const TensorView& l, const AttentionGrads& g) {
+    try {
+      attention_backward(q, k, k, out, l, out, g, v);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  CHECK(error(lse, {dq, dq, dv, {}}) ==
+        "flexc::attention_backward: grads.dk must have k's shape; k bf16 [1, 1, 16, 64] strides "
+        "[1024, 1024, 64, 1], grads.dk bf16 [1, 2, 16, 64] strides [2048, 1024, 64, 1]");
+  CHECK(error(TensorView{mem[2].data(), DType::F32, {1, 2, 15}, {}}, {dq, dk, dv, {}}) ==
+        "flexc::attention_backward: lse must be contiguous float32 [B, Hq, Q_LEN] = [1, 2, 16]; "
+        "got float32 [1, 2, 15] strides [30, 15, 1]");
+  CHECK(error(lse, {dq, dk, dv, {{"slope", lse}}}) ==
+        "flexc::attention_backward for 'noop': 'noop' declares no capture 'slope'");
+  CHECK(error(lse, {dq, TensorView{mem[1].data(), DType::BF16, {1, 1, 16, 64}, {}}, dv, {}}) ==
+        "flexc::attention_backward: grads.dk overlaps k");
+  CHECK(detail::bwd_config(128).smem_bytes <= 227 * 1024);
+  CHECK_THROWS_WITH(detail::bwd_config(256),
+                    "the backward kernel has no head dim 256 (32, 64, 96 or 128)");
+}
+
+TEST_CASE("backward gradients match float64: lengths, GQA, masks, score_mods", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const Mod causal{[](double x, int64_t, int64_t, int64_t i, int64_t j) { return j <= i ? x : -kInf; },
+                   [](double, auto...) { return 1.0; }};
+  const Mod softcap{[](double x, auto...) { return 30 * std::tanh(x / 30); },
+                    [](double x, auto...) {
+                      const double t = std::tanh(x / 30);
+                      return 1 - t * t;
+                    }};
+  const Variant noop = Variant::from_catalogue("noop");
+  const Variant causal_v = Variant::from_catalogue("causal");
+  const Variant softcap_v = Variant::from_catalogue("softcap");
+  const Shape shapes[] = {{1, 2, 2, 1, 1, 64},      {2, 4, 2, 17, 129, 64},  {1, 2, 1, 128, 128, 128},
+                          {1, 8, 2, 200, 77, 128}, {2, 2, 2, 1000, 1000, 64}, {1, 4, 4, 333, 1024, 128}};
+  for (const Shape& s : shapes)
+    for (DType dt : {DType::BF16, DType::F16}) {
+      check_case(noop, plain(), s, dt, false);
+      check_case(causal_v, causal, s, dt, true);
+      check_case(causal_v, causal, s, dt, false);
+      check_case(softcap_v, softcap, s, dt, true);
+    }
+}
