@@ -28,10 +28,12 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 using flexc::testing::normal;
 using flexc::testing::round16;
 
-// A score_mod written out: the modded score (or -inf where masked) and its derivative.
+// A score_mod written out: the modded score (or -inf where masked), its derivative, and for a
+// learnable per-head vector (alibi's slope) the derivative with respect to element h.
 struct Mod {
   std::function<double(double, int64_t, int64_t, int64_t, int64_t)> value;
   std::function<double(double, int64_t, int64_t, int64_t, int64_t)> grad;
+  std::function<double(int64_t, int64_t)> head_grad = nullptr;  // (q_idx, kv_idx)
 };
 
 struct Shape {
@@ -39,15 +41,19 @@ struct Shape {
 };
 
 struct Grads {
-  std::vector<double> dq, dk, dv;
+  std::vector<double> dq, dk, dv, dhead;  // dhead: per query head, when mod.head_grad is set
 };
 
-// The gradient of sum(out * dout) for attention with `mod`, in float64.
+// The gradient of sum(out * dout) for attention with `mod`, in float64, given the forward's
+// output as the kernel stored it (`stored_out`, for delta = rowsum(dout * out), as every
+// FlashAttention-style backward computes it: the per-head sums a capture gradient adds up cancel
+// to a small remainder, so exact float64 outputs there would measure the forward's rounding).
 Grads direct_backward(const Shape& s, const std::vector<float>& q, const std::vector<float>& k,
-                      const std::vector<float>& v, const std::vector<float>& dout, double scale,
-                      const Mod& mod) {
+                      const std::vector<float>& v, const std::vector<float>& dout,
+                      const std::vector<float>& stored_out, double scale, const Mod& mod) {
   Grads g;
   g.dq.assign(q.size(), 0), g.dk.assign(k.size(), 0), g.dv.assign(v.size(), 0);
+  g.dhead.assign(s.Hq, 0);
   const int64_t D = s.D;
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.Hq; ++h)
@@ -66,13 +72,9 @@ Grads direct_backward(const Shape& s, const std::vector<float>& q, const std::ve
         if (mx == -kInf) continue;
         double l = 0;
         for (int64_t j = 0; j < s.Lkv; ++j) l += p[j] = std::exp(sc[j] - mx);
-        std::vector<double> o(D, 0);
-        for (int64_t j = 0; j < s.Lkv; ++j) {
-          p[j] /= l;
-          for (int64_t d = 0; d < D; ++d) o[d] += p[j] * v[kv_at(j) + d];
-        }
+        for (int64_t j = 0; j < s.Lkv; ++j) p[j] /= l;
         double delta = 0;
-        for (int64_t d = 0; d < D; ++d) delta += double(dout[row * D + d]) * o[d];
+        for (int64_t d = 0; d < D; ++d) delta += double(dout[row * D + d]) * stored_out[row * D + d];
         for (int64_t j = 0; j < s.Lkv; ++j) {
           if (p[j] == 0) continue;
           double dp = 0;
@@ -80,7 +82,9 @@ Grads direct_backward(const Shape& s, const std::vector<float>& q, const std::ve
             dp += double(dout[row * D + d]) * v[kv_at(j) + d];
             g.dv[kv_at(j) + d] += p[j] * dout[row * D + d];
           }
-          const double ds = p[j] * (dp - delta) * mod.grad(x[j], b, h, i, j) * scale;
+          const double dscore = p[j] * (dp - delta);
+          if (mod.head_grad) g.dhead[h] += dscore * mod.head_grad(i, j);
+          const double ds = dscore * mod.grad(x[j], b, h, i, j) * scale;
           for (int64_t d = 0; d < D; ++d) {
             g.dq[row * D + d] += ds * k[kv_at(j) + d];
             g.dk[kv_at(j) + d] += ds * q[row * D + d];
@@ -121,9 +125,9 @@ std::vector<float> download16(DType d, const jit::DeviceBuffer& buf, size_t n) {
 }
 
 // Forward (to get out and lse) then backward on the GPU, against direct_backward.
+// With `slope` (alibi), the slope capture is uploaded and its gradient checked too.
 void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dtype,
-                bool block_mask, const std::map<std::string, TensorView, std::less<>>& captures = {},
-                const std::map<std::string, CaptureData, std::less<>>& mask_captures = {}) {
+                bool block_mask, const std::vector<float>* slope = nullptr) {
   INFO(fmt::format("{} {} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}", variant.name(),
                    dtype_name(dtype), s.B, s.Hq, s.Hkv, s.Lq, s.Lkv, s.D,
                    block_mask ? "" : " dense"));
@@ -142,12 +146,21 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
   jit::DeviceBuffer blse(std::max<int64_t>(s.B * s.Hq * s.Lq, 4) * 4);
   const TensorView tlse{blse.get(), DType::F32, {s.B, s.Hq, s.Lq}, {}};
 
-  std::optional<BlockMask> bm;
-  if (block_mask && !variant.mask_always_true()) {
-    BlockMaskOptions bmo;
-    bmo.captures = mask_captures;
-    bm = create_block_mask(variant, s.B, s.Hq, s.Lq, s.Lkv, bmo);
+  std::map<std::string, TensorView, std::less<>> captures;
+  AttentionGrads grads{tdq, tdk, tdv, {}};
+  jit::DeviceBuffer bslope(64), bdslope(64);
+  if (slope) {
+    bslope = jit::DeviceBuffer(slope->size() * 4);
+    bslope.upload(slope->data(), slope->size() * 4);
+    const std::vector<float> start(slope->size(), 0.25f);  // the kernel adds to what is there
+    bdslope = jit::DeviceBuffer(slope->size() * 4);
+    bdslope.upload(start.data(), start.size() * 4);
+    captures["slope"] = TensorView{bslope.get(), DType::F32, {s.Hq}, {}};
+    grads.captures["slope"] = TensorView{bdslope.get(), DType::F32, {s.Hq}, {}};
   }
+  std::optional<BlockMask> bm;
+  if (block_mask && !variant.mask_always_true())
+    bm = create_block_mask(variant, s.B, s.Hq, s.Lq, s.Lkv);
   AttentionOptions fo;
   fo.block_mask = bm ? &*bm : nullptr;
   fo.captures = captures;
@@ -156,10 +169,11 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
   BackwardOptions bo;
   bo.block_mask = fo.block_mask;
   bo.captures = captures;
-  attention_backward(tq, tk, tv, tout, tlse, tdout, {tdq, tdk, tdv, {}}, variant, bo);
+  attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
   jit::synchronize_device();
 
-  const Grads want = direct_backward(s, q, k, v, dout, 1.0 / std::sqrt(double(s.D)), mod);
+  const Grads want = direct_backward(s, q, k, v, dout, download16(dtype, bout, q.size()),
+                                    1.0 / std::sqrt(double(s.D)), mod);
   // bf16 rounds P and dS before their products (as FlashAttention does): about 2^-8 relative.
   const double bar = dtype == DType::BF16 ? 2e-2 : 4e-3;
   const double eq = relative_rmse(download16(dtype, bdq, q.size()), want.dq);
@@ -169,6 +183,13 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
   CHECK(eq < bar);
   CHECK(ek < bar);
   CHECK(ev < bar);
+  if (slope) {
+    std::vector<float> dslope = bdslope.to_vector<float>(s.Hq);
+    for (float& x : dslope) x -= 0.25f;
+    const double es = relative_rmse(dslope, want.dhead);
+    INFO(fmt::format("relative rmse dslope {:.3g}", es));
+    CHECK(es < bar);
+  }
 }
 
 #define SKIP_WITHOUT_GPU()      \
@@ -231,11 +252,44 @@ TEST_CASE("backward gradients match float64: lengths, GQA, masks, score_mods", "
   const Variant softcap_v = Variant::from_catalogue("softcap");
   const Shape shapes[] = {{1, 2, 2, 1, 1, 64},      {2, 4, 2, 17, 129, 64},  {1, 2, 1, 128, 128, 128},
                           {1, 8, 2, 200, 77, 128}, {2, 2, 2, 1000, 1000, 64}, {1, 4, 4, 333, 1024, 128}};
+  const Variant alibi_v = Variant::from_catalogue("alibi");
   for (const Shape& s : shapes)
     for (DType dt : {DType::BF16, DType::F16}) {
       check_case(noop, plain(), s, dt, false);
       check_case(causal_v, causal, s, dt, true);
       check_case(causal_v, causal, s, dt, false);
       check_case(softcap_v, softcap, s, dt, true);
+      // alibi with a learnable slope per head: its gradient is sum dscore * (kv - q).
+      std::vector<float> slope;
+      for (int64_t h = 0; h < s.Hq; ++h) slope.push_back(std::exp2(-8.0f * float(h + 1) / float(s.Hq)));
+      const Mod alibi{[&slope](double x, int64_t, int64_t h, int64_t i, int64_t j) {
+                        return x + slope[h] * double(j - i);
+                      },
+                      [](double, auto...) { return 1.0; },
+                      [](int64_t i, int64_t j) { return double(j - i); }};
+      check_case(alibi_v, alibi, s, dt, true, &slope);
+    }
+}
+
+TEST_CASE("backward: fully masked rows and -inf from score_mod give 0, never NaN", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const Variant late = Variant::from_strings("score", "q_idx >= 5 && q_idx >= kv_idx", {}, {}, "late");
+  const Mod late_mod{[](double x, int64_t, int64_t, int64_t i, int64_t j) {
+                       return i >= 5 && j <= i ? x : -kInf;
+                     },
+                     [](double, auto...) { return 1.0; }};
+  const Variant holes =
+      Variant::from_strings("kv_idx % 3 == 0 ? -inf : score * score / 8.0", "true", {}, {}, "holes");
+  const Mod holes_mod{[](double x, int64_t, int64_t, int64_t, int64_t j) {
+                        return j % 3 == 0 ? -kInf : x * x / 8;
+                      },
+                      [](double x, int64_t, int64_t, int64_t, int64_t j) {
+                        return j % 3 == 0 ? 0.0 : x / 4;
+                      }};
+  for (const Shape& s : {Shape{1, 2, 1, 70, 70, 64}, Shape{2, 4, 2, 129, 300, 128}})
+    for (DType dt : {DType::BF16, DType::F16}) {
+      check_case(late, late_mod, s, dt, true);
+      check_case(late, late_mod, s, dt, false);
+      check_case(holes, holes_mod, s, dt, false);
     }
 }

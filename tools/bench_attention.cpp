@@ -1,11 +1,11 @@
-// bench_attention: forward attention TFLOP/s on the anchors' shapes (../shared/anchors.md):
+// bench_attention: forward (or, with --backward, backward) attention TFLOP/s on the anchors' shapes (../shared/anchors.md):
 // 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for noop and causal; the
 // catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and document (six equal
 // documents) at S = 16k, B = 1, H = 16, D = 128.
 //
-//   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--json]
+//   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward] [--json]
 //
-// FLOPs = 4 * B * H * S * S * D * density, density = the exact fraction of (q, kv) pairs the mask
+// FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention), density = the exact fraction of (q, kv) pairs the mask
 // keeps (tools/bench_peers.py uses the same, so the peers' TFLOP/s compare directly). Time: CUDA
 // events around one call (BlockMask built beforehand, kernel compiled by the warm-ups), median of
 // --reps after 3 warm-ups.
@@ -104,7 +104,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> only;
   int reps = 20;
   std::string dtype_name_arg = "bf16";
-  bool json = false;
+  bool json = false, backward = false;
   std::vector<std::string> kernel_names{"auto"};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--kernel", kernel_names,
@@ -112,6 +112,8 @@ int main(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--reps", reps, "timed repetitions (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype_name_arg, "bf16 or fp16")->check(CLI::IsMember({"bf16", "fp16"}));
+  app.add_flag("--backward", backward,
+               "time flexc::attention_backward (after one forward for out and LSE) instead");
   app.add_flag("--json", json, "also print one JSON object per case (for tools/bench_peers.py)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -123,16 +125,24 @@ int main(int argc, char** argv) {
     std::vector<FwdKernel> kernels;
     for (const std::string& name : kernel_names) kernels.push_back(parse_fwd_kernel(name));
     jit::Stream stream;
+    if (backward) kernels = {FwdKernel::Auto};  // one backward kernel; the forward is not timed
     fmt::print("| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
                "|---|---|---|---|---|---|---|---|---|\n");
     for (const Case& c : all_cases()) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       const int64_t B = kTokens / c.s, H = kHidden / c.d, n = B * H * c.s * c.d;
       const Variant v = Variant::from_catalogue(c.name);
-      std::vector<uint16_t> host = random_bits(3 * n, dtype, std::random_device{}());
+      // q, k, v, and dout for the backward; then out, dq, dk, dv.
+      std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());
       jit::DeviceBuffer buf(host.size() * 2);
       buf.upload(host.data(), host.size() * 2);
-      jit::DeviceBuffer out(n * 2);
+      jit::DeviceBuffer out(n * 2), grads(backward ? 3 * n * 2 : 2);
+      jit::DeviceBuffer lse(B * H * c.s * 4);
+      const TensorView out_view{out.get(), dtype, {B, H, c.s, c.d}, {}};
+      const TensorView lse_view{lse.get(), DType::F32, {B, H, c.s}, {}};
+      const auto grad = [&](int64_t i) {
+        return TensorView{static_cast<uint16_t*>(grads.get()) + i * n, dtype, {B, H, c.s, c.d}, {}};
+      };
       const auto at = [&](int64_t i) {
         return TensorView{static_cast<uint16_t*>(buf.get()) + i * n, dtype, {B, H, c.s, c.d}, {}};
       };
@@ -167,21 +177,32 @@ int main(int argc, char** argv) {
         opts.block_mask = &*bm;
         dens = density(v, *bm, host_caps);
       }
+      BackwardOptions bopts;
+      if (backward) {
+        opts.lse = lse_view;
+        attention(at(0), at(1), at(2), out_view, v, opts);
+        bopts.block_mask = opts.block_mask;
+        bopts.captures = opts.captures;
+        bopts.stream = stream.get();
+      }
       for (FwdKernel kernel : kernels) {  // the same inputs and BlockMask for each kernel
         opts.kernel = kernel;
         std::vector<double> ms;
         for (int r = 0; r < reps + 3; ++r) {
           jit::EventTimer t;
           t.start(stream.get());
-          attention(at(0), at(1), at(2), TensorView{out.get(), dtype, {B, H, c.s, c.d}, {}}, v,
-                    opts);
+          if (backward)
+            attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),
+                               {grad(0), grad(1), grad(2), {}}, v, bopts);
+          else
+            attention(at(0), at(1), at(2), out_view, v, opts);
           t.stop(stream.get());
           if (r >= 3) ms.push_back(t.elapsed_ms());
         }
         const double t = median(ms);
-        const double tflops =
-            4.0 * double(B * H) * double(c.s) * double(c.s) * double(c.d) * dens / t * 1e-9;
-        const std::string_view kname = to_string(kernel);
+        const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
+                              double(c.s) * double(c.d) * dens / t * 1e-9;
+        const std::string_view kname = backward ? "bwd" : to_string(kernel);
         fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
                    c.s, c.d, B, H, dens, t, tflops);
         if (json)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Forward attention: PyTorch's peers on the shapes of tools/bench_attention, in the same GPU run.
+"""Attention: PyTorch's peers on the shapes of tools/bench_attention, in the same GPU run.
 
 Runs SDPA with the flash backend (FlashAttention-2) and the cuDNN backend, and
 torch.compile(flex_attention), on the anchors' shapes (../shared/anchors.md): 16k tokens per batch,
@@ -8,6 +8,10 @@ H = 16, D = 128. With --flexc it first runs flexc's benchmark (its --json output
 flexc / peer ratios per case (> 1: flexc faster).
 
     python3 tools/bench_peers.py --flexc "build/bench_attention --json"
+    python3 tools/bench_peers.py --backward --flexc "build/bench_attention --backward --json"
+
+With --backward, the backward pass alone is timed (torch.autograd.grad of a saved forward, with
+the flexc numbers from bench_attention --backward), FLOPs 2.5 times the forward's.
 
 FLOPs: 4*B*H*S*S*D*density, density = the exact fraction of (q, kv) pairs the mask keeps (the same
 definition as bench_attention), so TFLOP/s compare directly. Timing: CUDA events around single
@@ -94,7 +98,16 @@ def cases():
         yield name, 16384, 128
 
 
-def run_peers(reps, only):
+def timed(fn, backward, inputs, reps):
+    """Milliseconds of fn(), or with `backward` of the gradient of a saved fn() output."""
+    if not backward:
+        return time_ms(fn, reps)
+    out = fn()
+    dout = torch.randn_like(out)
+    return time_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), reps)
+
+
+def run_peers(reps, only, backward):
     device = "cuda"
     # One compiled kernel per shape and variant: let dynamo keep them all.
     torch._dynamo.config.cache_size_limit = 256
@@ -105,10 +118,11 @@ def run_peers(reps, only):
         if only and name not in only:
             continue
         b, h = TOKENS // s, HIDDEN // d
-        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16,
+                               requires_grad=backward) for _ in range(3))
         score_mod, mask_mod = make_case(name, s, h, device)
         dens = density(mask_mod, s, device)
-        flops = 4.0 * b * h * s * s * d * dens
+        flops = (2.5 if backward else 1.0) * 4.0 * b * h * s * s * d * dens
         row = {"density": dens}
         if name in ("noop", "causal"):
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"),
@@ -116,11 +130,12 @@ def run_peers(reps, only):
                 try:
                     with sdpa_kernel(backend):
                         fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=name == "causal")
-                        row[label] = time_ms(fn, reps)
+                        row[label] = timed(fn, backward, (q, k, v), reps)
                 except RuntimeError as e:  # a backend that does not support the shape
                     print(f"# {label} {name} S={s} D={d}: {str(e).splitlines()[0]}", file=sys.stderr)
         bm = create_block_mask(mask_mod, None, None, s, s, device=device) if mask_mod else None
-        row["flex"] = time_ms(lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm), reps)
+        row["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm), backward,
+                            (q, k, v), reps)
         row["tflops"] = {k2: flops / t * 1e-9 for k2, t in row.items() if k2 not in ("density",)}
         results[(name, s, d)] = row
         print(f"# {name:15s} S={s:5d} D={d:3d} density {dens:.4f} " +
@@ -145,9 +160,10 @@ def main():
     ap.add_argument("--flexc", help="command that runs flexc's benchmark with --json output")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
+    ap.add_argument("--backward", action="store_true", help="time the backward pass")
     args = ap.parse_args()
     ours = run_flexc(args.flexc) if args.flexc else {}
-    peers = run_peers(args.reps, args.only)
+    peers = run_peers(args.reps, args.only, args.backward)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     hdr = f"{'case':15s} {'kernel':8s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} " \
           f"{'cuDNN':>6s} {'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
