@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <charconv>
 #include <cstring>
 #include <fmt/format.h>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <limits>
 #include <string>
 
+#include "file_read.h"
 #include "flexc/error.h"
 
 static_assert(std::endian::native == std::endian::little, "flexc reads .npy data in place");
@@ -115,9 +117,7 @@ Array Array::as(DType to, std::string_view what) const {
 }
 
 Array read(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, "cannot open");
-  const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string file = detail::read_regular_file(path, kMaxFileBytes, ".npy file");
   if (file.size() < 10 || file.compare(0, 6, kMagic, 6) != 0) fail(path, "not a .npy file");
   const int major = static_cast<unsigned char>(file[6]);
   if (major < 1 || major > 3) fail(path, fmt::format("unsupported .npy version {}", major));
@@ -127,33 +127,45 @@ Array read(const std::filesystem::path& path) {
   for (size_t i = 0; i < len_bytes; ++i)
     header_len |= static_cast<size_t>(static_cast<unsigned char>(file[8 + i])) << (8 * i);
   const size_t data_at = 8 + len_bytes + header_len;
-  if (file.size() < data_at) fail(path, "truncated header");
+  if (file.size() < data_at)
+    fail(path, fmt::format("truncated header: it says {} bytes, the file has {} after it",
+                           header_len, file.size() - 8 - len_bytes));
   const std::string header = file.substr(8 + len_bytes, header_len);
+  const auto value = [&](std::string_view key) {
+    std::string v = header_value(header, key);
+    if (v.empty()) fail(path, fmt::format("the header has no '{}'", key));
+    return v;
+  };
 
-  const std::string descr = header_value(header, "descr");
+  const std::string descr = value("descr");
   const Descr* dd = nullptr;
   for (const Descr& d : kDescrs)
     if (descr == d.text) dd = &d;
   if (!dd)
-    fail(path, fmt::format("dtype {} is not supported (<f4, <f2, <f8, <i4, <i8, |b1)",
-                           descr.empty() ? "(none)" : descr));
-  if (header_value(header, "fortran_order") != "False")
-    fail(path, "Fortran-order arrays are not supported (save a C-order copy)");
-  const std::string shape_text = header_value(header, "shape");
+    fail(path, fmt::format("dtype {} is not supported (<f4, <f2, <f8, <i4, <i8, |b1)", descr));
+  const std::string order = value("fortran_order");
+  if (order == "True") fail(path, "Fortran-order arrays are not supported (save a C-order copy)");
+  if (order != "False") fail(path, fmt::format("fortran_order is {}, not True or False", order));
+  const std::string shape_text = value("shape");
   if (shape_text.size() < 2 || shape_text.front() != '(' || shape_text.back() != ')')
-    fail(path, fmt::format("bad shape {}", shape_text));
+    fail(path, fmt::format("bad shape {}: expected a tuple of sizes", shape_text));
   Array a;
   a.dtype = dd->dtype;
   for (size_t at = 1; at + 1 < shape_text.size();) {
     const size_t comma = shape_text.find(',', at);
-    const std::string item = shape_text.substr(at, std::min(comma, shape_text.size() - 1) - at);
-    if (item.find_first_not_of(" ") != std::string::npos) {
-      try {
-        a.shape.push_back(std::stoll(item));
-      } catch (const std::exception&) {
-        fail(path, fmt::format("bad shape {}", shape_text));
-      }
-      if (a.shape.back() < 0) fail(path, fmt::format("bad shape {}", shape_text));
+    std::string_view item = std::string_view(shape_text).substr(
+        at, std::min(comma, shape_text.size() - 1) - at);
+    const size_t b = item.find_first_not_of(' '), e = item.find_last_not_of(' ');
+    if (b != std::string_view::npos) {
+      item = item.substr(b, e - b + 1);
+      int64_t d = -1;
+      const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), d);
+      if (ec != std::errc() || end != item.data() + item.size())
+        fail(path, fmt::format("bad shape {}: '{}' is not a size", shape_text, item));
+      if (d < 0) fail(path, fmt::format("bad shape {}: negative size {}", shape_text, d));
+      a.shape.push_back(d);
+    } else if (comma != std::string::npos && !(a.shape.size() == 1 && comma + 2 == shape_text.size())) {
+      fail(path, fmt::format("bad shape {}: an empty size", shape_text));
     }
     if (comma == std::string::npos) break;
     at = comma + 1;

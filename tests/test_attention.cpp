@@ -282,8 +282,54 @@ TEST_CASE(".npy files round-trip and bad ones are named", "[npy]") {
   CHECK(npy::read(dir / "empty.npy").numel() == 0);
   std::ofstream(dir / "junk.npy") << "hello";
   CHECK_THROWS_WITH(npy::read(dir / "junk.npy"), Contains("junk.npy: not a .npy file"));
-  CHECK_THROWS_WITH(npy::read(dir / "missing.npy"), Contains("cannot open"));
+  CHECK_THROWS_WITH(npy::read(dir / "missing.npy"),
+                    Contains("cannot read .npy file " + (dir / "missing.npy").string() +
+                             ": No such file or directory"));
   CHECK_THROWS_WITH(npy::write(dir / "x.npy", a.as(DType::BF16, "t")), Contains("bf16 cannot"));
+
+  // Versions 2 and 3 (4-byte header length), and headers that lie or lack keys.
+  auto versioned = [&](const char* name, char major, const std::string& header, uint32_t len,
+                       const std::string& data) {
+    std::ofstream o(dir / name, std::ios::binary);
+    o.write("\x93NUMPY", 6);
+    o.put(major);
+    o.put(0);
+    for (int b = 0; b < 4; ++b) o.put(char((len >> (8 * b)) & 0xff));
+    o << header << data;
+  };
+  const std::string h2 = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }\n";
+  const float two[2] = {1.5f, -2.f};
+  const std::string two_bytes(reinterpret_cast<const char*>(two), 8);
+  versioned("v2.npy", 2, h2, uint32_t(h2.size()), two_bytes);
+  CHECK(npy::read(dir / "v2.npy").to_float() == std::vector<float>{1.5f, -2.f});
+  versioned("v3.npy", 3, h2, uint32_t(h2.size()), two_bytes);
+  CHECK(npy::read(dir / "v3.npy").to_float() == std::vector<float>{1.5f, -2.f});
+  versioned("v4.npy", 4, h2, uint32_t(h2.size()), two_bytes);
+  CHECK_THROWS_WITH(npy::read(dir / "v4.npy"), Contains("unsupported .npy version 4"));
+  versioned("long.npy", 2, h2, 1u << 30, two_bytes);
+  CHECK_THROWS_WITH(npy::read(dir / "long.npy"),
+                    Contains("long.npy: truncated header: it says 1073741824 bytes, the file has"));
+  const std::pair<const char*, const char*> bad_headers[] = {
+      {"{'fortran_order': False, 'shape': (2,), }", "the header has no 'descr'"},
+      {"{'descr': '<f4', 'shape': (2,), }", "the header has no 'fortran_order'"},
+      {"{'descr': '<f4', 'fortran_order': False, }", "the header has no 'shape'"},
+      {"{'descr': <f4, 'fortran_order': False, 'shape': (2,), }", "dtype <f4 is not supported"},
+      {"{'descr': '<f4', 'fortran_order': Maybe, 'shape': (2,), }",
+       "fortran_order is Maybe, not True or False"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': [2], }", "bad shape [2]: expected a tuple"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (-2,), }", "bad shape (-2,): negative size -2"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (3abc,), }", "bad shape (3abc,): '3abc' is not a size"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (2, , 1), }", "bad shape (2, , 1): an empty size"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (0x2,), }", "'0x2' is not a size"},
+  };
+  for (const auto& [header, message] : bad_headers) {
+    INFO(header);
+    raw("bad.npy", header, two_bytes);
+    CHECK_THROWS_WITH(npy::read(dir / "bad.npy"), Contains(message));
+  }
+  // Only regular files are read, and never unboundedly.
+  CHECK_THROWS_WITH(npy::read("/dev/zero"), Contains("it is not a regular file"));
+  CHECK_THROWS_WITH(npy::read(dir), Contains("it is a directory"));
   fs::remove_all(dir);
 }
 

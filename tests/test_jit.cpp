@@ -2,7 +2,10 @@
 // NVRTC errors mapped back to their source, every kernel template with every catalogue variant,
 // and (with a GPU) the generated hooks evaluated on the device against the interpreter.
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <spawn.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -305,7 +308,7 @@ TEST_CASE("truncated, corrupt and foreign cache files are dropped and recompiled
       {"empty", "", "not a flexc cache file"},
       {"flipped payload byte", flipped_payload, "checksum mismatch"},
       {"another key", flipped_key, "another key"},
-      {"another format", other_format, "cache format 99"},
+      {"another format", other_format, "written in cache format 99"},
       {"foreign text", "#!/bin/sh\necho this is not a cubin\n", "not a flexc cache file"},
       {"random bytes", noise, "not a flexc cache file"},
   };
@@ -324,6 +327,122 @@ TEST_CASE("truncated, corrupt and foreign cache files are dropped and recompiled
           std::string::npos);
     CHECK(warning.find(d.reason) != std::string::npos);
     CHECK(read_all(file) == bytes);  // rewritten whole
+  }
+}
+
+TEST_CASE("cache damage a hostile user can do is bypassed with a warning and the right cubin",
+          "[jit]") {
+  FreshCache cache;
+  const Variant v = fresh_variant(), w = fresh_variant();
+  const Compiled good = compile(v, eval_spec());
+  const Compiled other = compile(w, eval_spec());
+  const fs::path file = cache.dir.path / (good.key + ".bin");
+  const fs::path other_file = cache.dir.path / (other.key + ".bin");
+  const std::string bytes = read_all(file);
+  // Recompiles v with a cold in-memory cache; returns the warning.
+  const auto again = [&](const char* what) {
+    INFO(what);
+    reset_cache();
+    StderrCapture err;
+    const Compiled c = compile(v, eval_spec());
+    CHECK_FALSE(c.from_cache);
+    CHECK(c.cubin == good.cubin);
+    return err.text();
+  };
+  const auto clean = [&] {
+    std::error_code ec;
+    fs::remove_all(file, ec);
+  };
+
+  clean();
+  fs::create_symlink("/dev/zero", file);
+  CHECK_THAT(again("a link to /dev/zero"), Catch::Contains(": it is a symbolic link; removed"));
+  CHECK(read_all(file) == bytes);
+
+  clean();
+  REQUIRE(mkfifo(file.c_str(), 0600) == 0);
+  CHECK_THAT(again("a FIFO"), Catch::Contains(": it is not a regular file; removed"));
+
+  clean();
+  fs::create_directories(file / "inside");
+  CHECK_THAT(again("a directory with contents"),
+             Catch::Contains("it is a directory; it cannot be removed, so it is bypassed"));
+  CHECK_THAT(again("still there"), Catch::Contains("the kernel is not cached"));
+  CHECK(DiskCache(CacheSettings::from_env()).clear() == 2);  // both entries: the directory too
+  CHECK_FALSE(fs::exists(file));
+  reset_cache();
+  compile(v, eval_spec());
+  compile(w, eval_spec());
+
+  // Another entry copied over this one with its key patched (the checksum covers the key).
+  std::string forged = read_all(other_file);
+  REQUIRE(forged.size() > 80);
+  forged.replace(16, 64, good.key);
+  write_all(file, forged);
+  CHECK_THAT(again("a patched copy of another entry"), Catch::Contains("checksum mismatch"));
+  CHECK(read_all(file) == bytes);
+
+  // A damaged header says what is wrong with it.
+  std::string damaged = bytes;
+  damaged[12] = 7;  // header_bytes
+  write_all(file, damaged);
+  CHECK_THAT(again("header size"), Catch::Contains("damaged header (it gives its size as 7 bytes"));
+
+  // Untrusted: an entry others can write is not loaded; neither is a shared directory.
+  fs::permissions(file, fs::perms::group_write, fs::perm_options::add);
+  CHECK_THAT(again("a group-writable entry"),
+             Catch::Contains("other users can write it (mode 0620); removed"));
+  CHECK((fs::status(file).permissions() & fs::perms::all) ==
+        (fs::perms::owner_read | fs::perms::owner_write));  // rewritten private
+  fs::permissions(cache.dir.path, fs::perms::all);
+  reset_cache();
+  {
+    StderrCapture err;
+    CHECK_FALSE(compile(v, eval_spec()).from_disk);
+    CHECK_THAT(err.text(), Catch::Contains("other users can write it (mode 0777)"));
+  }
+  fs::permissions(cache.dir.path, fs::perms::owner_all);
+}
+
+TEST_CASE("a held lock delays a compile only up to the timeout; leftovers are cleaned", "[jit]") {
+  FreshCache cache;
+  ScopedEnv t("FLEXC_CACHE_LOCK_TIMEOUT", "0.3");
+  const Variant v = fresh_variant();
+  const std::string key = compile(v, eval_spec()).key;
+  fs::remove(cache.dir.path / (key + ".bin"));
+  // flock locks belong to an open file description: a second open() here is "another process".
+  const int fd = open((cache.dir.path / (key + ".lock")).c_str(), O_RDWR);
+  REQUIRE(fd >= 0);
+  REQUIRE(flock(fd, LOCK_EX) == 0);
+  reset_cache();
+  {
+    StderrCapture err;
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_FALSE(compile(v, eval_spec()).from_cache);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+    CHECK_THAT(err.text(), Catch::Contains("compiling without waiting for it"));
+  }
+  close(fd);
+
+  // A killed writer's temporary file and an unused lock file, both old, are counted, then evicted.
+  const DiskCache dc(CacheSettings::from_env());
+  const fs::path tmp = cache.dir.path / (key + ".tmp.99999.0");
+  write_all(tmp, std::string(1000, 'x'));
+  const auto old = fs::file_time_type::clock::now() - std::chrono::hours(1);
+  fs::last_write_time(tmp, old);
+  fs::last_write_time(cache.dir.path / (key + ".lock"), old);
+  DiskCache::Leftovers l = dc.leftovers();
+  CHECK(l.temp_files == 1);
+  CHECK(l.temp_bytes == 1000);
+  CHECK(l.lock_files == 1);
+  dc.evict();
+  l = dc.leftovers();
+  CHECK(l.temp_files == 0);
+  CHECK(l.lock_files == 0);
+  CHECK(dc.list().size() == 1);  // the entry stays
+  {
+    ScopedEnv bad("FLEXC_CACHE_LOCK_TIMEOUT", "soon");
+    CHECK_THROWS_WITH(CacheSettings::from_env(), Catch::Contains("FLEXC_CACHE_LOCK_TIMEOUT='soon'"));
   }
 }
 

@@ -26,8 +26,12 @@ struct Array {
   Array as(DType to, std::string_view what) const;
 };
 
+// The largest .npy file read (a regular file: devices and FIFOs are refused before reading).
+inline constexpr uint64_t kMaxFileBytes = uint64_t{16} << 30;
+
 // dtypes read: <f4, <f2, <i4, |b1 as they are; <f8 as float32 and <i8 as int32 (values checked).
-// Throws flexc::Error naming the file for anything else (Fortran order, big-endian, truncation).
+// Throws flexc::Error naming the file for anything else (Fortran order, big-endian, truncation,
+// a header that lacks a key or garbles it, negative or non-numeric sizes).
 Array read(const std::filesystem::path& path);
 
 // Writes float32, fp16, int32 or bool arrays (NumPy has no bf16). Throws flexc::Error on I/O

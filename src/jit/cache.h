@@ -1,10 +1,16 @@
 // The JIT's disk cache of compiled kernels, and its SHA-256 keys.
 //
-// One file per key, `<dir>/<key>.bin`: a header (magic, format version, key, payload size, the
-// payload's SHA-256) and the payload. Files are written to a temporary name and renamed, so a
-// reader sees a whole file or none; a truncated, corrupt or foreign file is reported on stderr,
-// deleted and recompiled. `<dir>/<key>.lock` serialises compiles of one key across processes.
-// Hits refresh the file's mtime; past the size limit the least recently used files go first.
+// One file per key, `<dir>/<key>.bin`: a header (magic, format version, key, payload size, and a
+// SHA-256 over the header and the payload) and the payload. Files are written to a private
+// temporary name and renamed, so a reader sees a whole file or none; a truncated, corrupt,
+// foreign or non-regular file is reported on stderr, removed (or, if it cannot be, bypassed) and
+// recompiled. `<dir>/<key>.lock` serialises compiles of one key across processes, with a timeout
+// after which a process compiles on its own. Hits refresh the file's mtime; past the size limit
+// the least recently used files go first, and stale temporary and lock files are removed.
+//
+// Trust: the directory is created 0700; a directory or an entry that another user owns or can
+// write is never loaded from (a warning, then the kernel is compiled in memory), so a shared
+// cache location cannot put someone else's code into your kernels.
 #pragma once
 
 #include <cstdint>
@@ -44,12 +50,19 @@ struct CacheSettings {
   std::filesystem::path dir;
   bool disk = true;
   uint64_t max_bytes = uint64_t{2} << 30;
+  // How long a process waits for another one's compile of the same key before compiling on its
+  // own (a cold compile takes about a second; a stopped process would otherwise block forever).
+  double lock_timeout_s = 30;
 
   // FLEXC_CACHE_DIR, else $XDG_CACHE_HOME/flexc, else ~/.cache/flexc; FLEXC_DISABLE_DISK_CACHE=1
   // turns the disk cache off; FLEXC_CACHE_MAX_BYTES (a number, optionally with K, M or G) sets
-  // the limit. Throws flexc::Error for a malformed value.
+  // the limit; FLEXC_CACHE_LOCK_TIMEOUT (seconds) the lock wait. Throws flexc::Error for a
+  // malformed value.
   static CacheSettings from_env();
 };
+
+// A cache file larger than this is not a kernel: it is refused before it is read.
+inline constexpr uint64_t kMaxCacheEntryBytes = uint64_t{256} << 20;
 
 // What one cache file holds.
 struct CacheEntry {
@@ -59,17 +72,20 @@ struct CacheEntry {
 
 class DiskCache {
  public:
-  // Creates the directory; when that fails the cache warns once and stays disabled.
+  // Creates the directory (0700); when that fails, or the directory is another user's or
+  // writable by others, the cache warns once and stays disabled.
   explicit DiskCache(CacheSettings settings);
   const CacheSettings& settings() const { return s_; }
   bool enabled() const { return s_.disk; }
 
-  // The entry for `key`, or nullopt (missing, or bad: then warned about and deleted).
+  // The entry for `key`, or nullopt (missing; or bad, foreign or untrusted: then warned about and
+  // removed, or bypassed when it cannot be removed).
   std::optional<CacheEntry> load(std::string_view key) const;
   // Writes atomically, then evicts down to the size limit. Failures are warnings.
   void store(std::string_view key, const CacheEntry& entry) const;
 
-  // An exclusive lock on one key, across threads and processes; released on destruction.
+  // An exclusive lock on one key, across threads and processes; released on destruction. After
+  // settings().lock_timeout_s without it, a warning and no lock (the caller compiles anyway).
   class Lock {
    public:
     explicit Lock(int fd) : fd_(fd) {}
@@ -89,9 +105,19 @@ class DiskCache {
     std::string description;  // empty when the file is not a valid entry
   };
   std::vector<Item> list() const;  // most recently used first
-  uint64_t total_bytes() const;
+  uint64_t total_bytes() const;    // of the entries
+  // What the directory holds besides entries: temporary files of writes in progress (or of
+  // processes killed while writing) and lock files.
+  struct Leftovers {
+    size_t temp_files = 0, lock_files = 0;
+    uint64_t temp_bytes = 0;
+  };
+  Leftovers leftovers() const;
   size_t clear() const;  // removes every entry, lock and temporary file; returns entries
+  // Removes least recently used entries down to the size limit (never `keep`), temporary files
+  // older than kStaleSeconds and lock files nobody holds that are that old.
   void evict(std::string_view keep = {}) const;
+  static constexpr int kStaleSeconds = 600;
 
   std::filesystem::path path_of(std::string_view key) const;
 

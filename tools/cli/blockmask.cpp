@@ -1,7 +1,6 @@
 // `flexc blockmask CONFIG.json|@name --q-len N ...`: builds a variant's BlockMask and prints its
 // picture, sparsity, tile counts, what the interval analysis decided, and the build time.
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <fmt/format.h>
@@ -10,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/args.h"
 #include "cli/command.h"
 #include "flexc/blockmask.h"
 #include "flexc/error.h"
@@ -27,22 +27,6 @@ struct Options {
   bool brute_force = false;
 };
 
-// "NAME=VALUE" -> {NAME, VALUE}.
-std::pair<std::string, std::string> split_assignment(const std::string& s, const char* what) {
-  const size_t eq = s.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw Error(fmt::format("{} '{}': expected NAME=VALUE", what, s));
-  return {s.substr(0, eq), s.substr(eq + 1)};
-}
-
-int64_t parse_int(std::string_view s, std::string_view what) {
-  int64_t v = 0;
-  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size())
-    throw Error(fmt::format("{}: '{}' is not an integer", what, s));
-  return v;
-}
-
 // Document ids along the last dim of a capture, repeated over its leading dims:
 //   doc:S1,S2,...  documents start at token 0, S1, S2, ... (ascending)
 //   docs:N         N documents of (nearly) equal length
@@ -51,14 +35,13 @@ std::vector<int32_t> document_ids(const std::string& name, const std::string& sp
   const int64_t n = shape.back();
   std::vector<int64_t> starts{0};
   if (spec.starts_with("docs:")) {
-    const int64_t k = parse_int(spec.substr(5), "--capture " + name);
-    if (k < 1) throw Error(fmt::format("--capture {}: docs:N needs N >= 1", name));
+    const int64_t k = parse_int(spec.substr(5), "--capture " + name + "=docs:N", 1, n);
     for (int64_t i = 1; i < k; ++i) starts.push_back(i * n / k);
   } else {
     std::string_view rest = std::string_view(spec).substr(4);
     while (!rest.empty()) {
       const size_t comma = rest.find(',');
-      const int64_t s = parse_int(rest.substr(0, comma), "--capture " + name);
+      const int64_t s = parse_int(rest.substr(0, comma), "--capture " + name + "=doc:...", 0, n);
       if (s < starts.back())
         throw Error(fmt::format("--capture {}: document starts must ascend ({} after {})", name, s,
                                 starts.back()));
@@ -90,17 +73,10 @@ void run(const Options& o) {
   bo.device = o.device == "cpu"   ? BuildDevice::Cpu
               : o.device == "gpu" ? BuildDevice::Gpu
                                   : BuildDevice::Auto;
-  for (const std::string& p : o.params) {
-    auto [name, value] = split_assignment(p, "--param");
-    double x = 0;
-    auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), x);
-    if (ec != std::errc() || end != value.data() + value.size())
-      throw Error(fmt::format("--param {}: '{}' is not a number", name, value));
-    bo.params[name] = x;
-  }
+  for (const auto& [name, value] : assignments(o.params, "--param"))
+    bo.params[name] = parse_number(value, "--param " + name);
   std::vector<std::vector<int32_t>> storage;
-  for (const std::string& c : o.captures) {
-    auto [name, spec] = split_assignment(c, "--capture");
+  for (const auto& [name, spec] : assignments(o.captures, "--capture")) {
     const auto& specs = v.captures();
     auto it = std::find_if(specs.begin(), specs.end(), [&](auto& s) { return s.name == name; });
     if (it == specs.end())
@@ -118,6 +94,7 @@ void run(const Options& o) {
                       : d == "Q_LEN"  ? o.q_len
                       : d == "KV_LEN" ? kv_len
                                       : parse_int(d, "capture dim"));
+    checked_bytes(shape, 4, "--capture " + name);  // before building it
     storage.push_back(document_ids(name, spec, shape));
     bo.captures[name] = CaptureData{storage.back().data(), nullptr, shape, {}};
   }
@@ -174,29 +151,29 @@ const Register reg("blockmask", [](CLI::App& app) {
       "the interval analysis decided, and the build time.");
   cmd->add_option("config", o->config, "JSON variant config, or @name from the catalogue")
       ->required();
-  cmd->add_option("--q-len", o->q_len, "query length")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--q-len", o->q_len, "query length")->required()->check(int_range(1));
   cmd->add_option("--kv-len", o->kv_len, "key/value length (default: --q-len)")
-      ->check(CLI::PositiveNumber);
-  cmd->add_option("--batch", o->batch, "batch size B")->check(CLI::PositiveNumber);
-  cmd->add_option("--heads", o->heads, "query heads H")->check(CLI::PositiveNumber);
+      ->check(int_range(1));
+  cmd->add_option("--batch", o->batch, "batch size B")->check(int_range(1));
+  cmd->add_option("--heads", o->heads, "query heads H")->check(int_range(1));
   cmd->add_option("--param", o->params, "runtime param value, NAME=VALUE (repeatable)");
   cmd->add_option("--capture", o->captures,
                   "document ids for an int32 capture: NAME=doc:S1,S2,... (documents start at "
                   "tokens 0, S1, S2, ...) or NAME=docs:N (N equal documents) (repeatable)");
   cmd->add_option("--tile", o->tile, "tile size for q and kv (default 128)")
-      ->check(CLI::PositiveNumber);
+      ->check(int_range(1));
   cmd->add_option("--q-tile", o->q_tile, "q tile size (overrides --tile)")
-      ->check(CLI::PositiveNumber);
+      ->check(int_range(1));
   cmd->add_option("--kv-tile", o->kv_tile, "kv tile size (overrides --tile)")
-      ->check(CLI::PositiveNumber);
+      ->check(int_range(1));
   cmd->add_option("--device", o->device, "where to build: auto (GPU if present), cpu, gpu")
       ->check(CLI::IsMember({"auto", "cpu", "gpu"}));
   cmd->add_flag("--brute-force", o->brute_force,
                 "evaluate every element of every tile (no interval analysis)");
   cmd->add_option("--rows", o->rows, "picture rows at most (default 32)")
-      ->check(CLI::PositiveNumber);
+      ->check(int_range(1));
   cmd->add_option("--cols", o->cols, "picture columns at most (default 32)")
-      ->check(CLI::PositiveNumber);
+      ->check(int_range(1));
   cmd->callback([o] { run(*o); });
 });
 

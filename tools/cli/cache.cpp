@@ -8,18 +8,11 @@
 #include <memory>
 #include <string>
 
+#include "cli/args.h"
 #include "cli/command.h"
 
 namespace flexc::cli {
 namespace {
-
-std::string human_bytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
-}
 
 std::string age(std::filesystem::file_time_type t) {
   const auto s = std::chrono::duration_cast<std::chrono::seconds>(
@@ -45,10 +38,16 @@ void run(const std::string& what) {
   } else if (what == "stats") {
     const size_t n = cache.list().size();
     const uint64_t bytes = cache.total_bytes();
+    const jit::DiskCache::Leftovers l = cache.leftovers();
     fmt::print(
-        "directory: {}{}\nentries:   {}\nsize:      {} of {} ({:.1f}%)\n", s.dir.string(), off, n,
-        human_bytes(bytes), human_bytes(s.max_bytes),
-        s.max_bytes ? 100.0 * static_cast<double>(bytes) / static_cast<double>(s.max_bytes) : 0.0);
+        "directory: {}{}\nentries:   {}\nsize:      {} of {} ({:.1f}%)\n"
+        "temporary: {} file{} ({}; from writes in progress or killed processes; removed once "
+        "{} min old)\nlocks:     {} file{} (removed once unused for {} min)\n",
+        s.dir.string(), off, n, human_bytes(bytes), human_bytes(s.max_bytes),
+        s.max_bytes ? 100.0 * static_cast<double>(bytes) / static_cast<double>(s.max_bytes) : 0.0,
+        l.temp_files, l.temp_files == 1 ? "" : "s", human_bytes(l.temp_bytes),
+        jit::DiskCache::kStaleSeconds / 60, l.lock_files, l.lock_files == 1 ? "" : "s",
+        jit::DiskCache::kStaleSeconds / 60);
   } else {
     const size_t n = cache.clear();
     fmt::print("removed {} entr{} from {}{}\n", n, n == 1 ? "y" : "ies", s.dir.string(), off);
@@ -60,12 +59,13 @@ const Register reg{
       CLI::App* c = app.add_subcommand(
           "cache",
           "The cache of compiled kernels: FLEXC_CACHE_DIR, else $XDG_CACHE_HOME/flexc or "
-          "~/.cache/flexc; FLEXC_CACHE_MAX_BYTES, FLEXC_DISABLE_DISK_CACHE=1");
+          "~/.cache/flexc; FLEXC_CACHE_MAX_BYTES, FLEXC_CACHE_LOCK_TIMEOUT (s), "
+          "FLEXC_DISABLE_DISK_CACHE=1");
       c->require_subcommand(1);
       const std::pair<const char*, const char*> subs[] = {
           {"dir", "print the cache directory"},
           {"list", "list the cached kernels, most recently used first"},
-          {"stats", "print the number of entries, their size and the limit"},
+          {"stats", "print the number of entries, their size and the limit, temporary and lock files"},
           {"clear", "remove every cached kernel"}};
       for (const auto& [name, help] : subs) {
         const std::string what = name;

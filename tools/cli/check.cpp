@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/args.h"
 #include "cli/command.h"
 #include "flexc/variant.h"
 
@@ -27,7 +28,7 @@ std::string reads(const ModDeps& d) {
 
 void print(const Variant& v) {
   fmt::print("{}", v.name());
-  if (!v.description().empty()) fmt::print(": {}", v.description());
+  if (!v.description().empty()) fmt::print(": {}", printable(v.description()));
   fmt::print("\n  score_mod   {}{}\n", v.score_mod_text(),
              v.identity_score() ? "  (identity)" : "");
   fmt::print("    reads     {}\n", reads(v.score_deps()));

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/args.h"
 #include "cli/command.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
@@ -31,12 +32,15 @@ struct Options {
   bool timings = false;
 };
 
-std::vector<std::string> split(const std::string& s) {
+// A comma-separated list; an empty list or item is an error naming the option.
+std::vector<std::string> split(const std::string& s, std::string_view option) {
   std::vector<std::string> out;
   size_t start = 0;
   while (start <= s.size()) {
     const size_t comma = std::min(s.find(',', start), s.size());
-    if (comma > start) out.push_back(s.substr(start, comma - start));
+    if (comma == start)
+      throw Error(fmt::format("{} '{}': an empty name in the list", option, printable(s)));
+    out.push_back(s.substr(start, comma - start));
     start = comma + 1;
   }
   return out;
@@ -70,13 +74,13 @@ void run(const Options& o) {
   if (o.kernels == "all")
     kernels = jit::kernels_for_arch(arch);
   else
-    for (const std::string& name : split(o.kernels)) kernels.push_back(&jit::find_kernel(name));
+    for (const std::string& name : split(o.kernels, "--kernel")) kernels.push_back(&jit::find_kernel(name));
   const jit::KernelConfig cfg{o.arch, o.dtype, o.head_dim};
   std::vector<jit::KernelSpec> specs;
   for (const jit::KnownKernel* k : kernels) specs.push_back(k->spec(cfg));
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
-  for (const std::string& e : split(o.emit)) {
+  for (const std::string& e : o.emit.empty() ? std::vector<std::string>{} : split(o.emit, "--emit")) {
     if (e == "cu")
       want_cu = true;
     else if (e == "ptx")
@@ -134,7 +138,9 @@ const Register reg{
                     "(default: this machine's GPU)");
       c->add_option("--dtype", o->dtype, "attention input type: bf16 or fp16")
           ->capture_default_str();
-      c->add_option("--head-dim", o->head_dim, "attention head dimension")->capture_default_str();
+      c->add_option("--head-dim", o->head_dim, "attention head dimension")
+          ->check(int_range(1, 1024))
+          ->capture_default_str();
       std::string names;
       for (const jit::KnownKernel& k : jit::known_kernels())
         names += fmt::format("\n  {}: {}", k.name, k.description);

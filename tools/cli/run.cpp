@@ -4,7 +4,6 @@
 // with the float64 CPU reference under the tolerance rule (docs/attention.md) and exits 1 on
 // failure.
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <fmt/format.h>
@@ -17,6 +16,7 @@
 
 #include "jit/driver.h"
 #include "jit/jit.h"
+#include "cli/args.h"
 #include "cli/command.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
@@ -30,7 +30,7 @@ namespace {
 
 struct Options {
   std::string config, q, k, v, out, lse, random, dtype = "bf16";
-  std::map<std::string, std::string> captures, params;
+  std::vector<std::string> captures, params;  // NAME=VALUE
   std::optional<double> scale;
   uint64_t seed = std::random_device{}();
   bool check = false, dense = false;
@@ -69,21 +69,17 @@ Input read_input(const std::string& path, const char* name, DType dtype) {
 std::vector<int64_t> parse_sizes(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);
+  const char* names[] = {"B", "HQ", "HKV", "Q_LEN", "KV_LEN", "D"};
   for (std::string item; std::getline(ss, item, ',');) {
-    size_t used = 0;
-    int64_t x = -1;
-    try {
-      x = std::stoll(item, &used);
-    } catch (const std::exception&) {
-    }
-    if (used != item.size() || x < 1)
-      throw Error(fmt::format("--random '{}': expected six positive integers "
-                              "B,HQ,HKV,Q_LEN,KV_LEN,D",
-                              s));
-    out.push_back(x);
+    if (out.size() == 6) break;
+    out.push_back(parse_int(item, fmt::format("--random {}", names[out.size()]), 1,
+                            out.size() == 5 ? 256 : kMaxInt32));
   }
-  if (out.size() != 6)
-    throw Error(fmt::format("--random '{}': expected B,HQ,HKV,Q_LEN,KV_LEN,D", s));
+  if (out.size() != 6 || std::count(s.begin(), s.end(), ',') != 5)
+    throw Error(fmt::format("--random '{}': expected B,HQ,HKV,Q_LEN,KV_LEN,D", printable(s)));
+  // q and k / v on the host: a float and a 16-bit copy of each element.
+  checked_bytes({out[0], out[1], out[3], out[5]}, 6, "--random (q)");
+  checked_bytes({out[0], out[2], out[4], out[5]}, 6, "--random (k, v)");
   return out;
 }
 
@@ -103,9 +99,14 @@ jit::DeviceBuffer upload(const void* data, size_t bytes) {
 }
 
 void run(const Options& o) {
-  const FwdKernel kernel = parse_fwd_kernel(o.kernel);  // before any slow work
+  // Every argument is checked before any slow work, and before looking for a GPU.
+  const FwdKernel kernel = parse_fwd_kernel(o.kernel);
   const Variant variant = Variant::load(o.config);
   const DType dtype = parse_dtype(o.dtype);
+  const std::map<std::string, std::string> captures = assignments(o.captures, "--capture");
+  const std::map<std::string, std::string> params = assignments(o.params, "--param");
+  std::vector<int64_t> sizes;
+  if (!o.random.empty()) sizes = parse_sizes(o.random);
   if (!jit::gpu_available())
     throw Error("flexc run needs a GPU (no CUDA driver or device found)");
 
@@ -114,7 +115,7 @@ void run(const Options& o) {
   if (!o.random.empty()) {
     if (!o.q.empty() || !o.k.empty() || !o.v.empty())
       throw Error("--random generates q, k and v: give it or --q/--k/--v, not both");
-    const auto s = parse_sizes(o.random);
+    const std::vector<int64_t>& s = sizes;
     q = random_input({s[0], s[1], s[3], s[5]}, rng, dtype);
     k = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
     v = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
@@ -133,7 +134,7 @@ void run(const Options& o) {
   AttentionOptions opts;
   ReferenceProblem ref;
   BlockMaskOptions bmo;
-  for (const auto& [name, file] : o.captures) {
+  for (const auto& [name, file] : captures) {
     auto spec = std::find_if(variant.captures().begin(), variant.captures().end(),
                              [&](const CaptureSpec& c) { return c.name == name; });
     if (spec == variant.captures().end())
@@ -148,16 +149,11 @@ void run(const Options& o) {
   }
   for (const ModDeps& deps : {variant.score_deps(), variant.mask_deps()})
     for (const std::string& c : deps.captures)
-      if (!o.captures.contains(c))
+      if (!captures.contains(c))
         throw Error(fmt::format("'{}' reads capture '{}': pass --capture {}=FILE.npy",
                                 variant.name(), c, c));
-  for (const auto& [name, text] : o.params) {
-    double x = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
-    if (ec != std::errc() || end != text.data() + text.size())
-      throw Error(fmt::format("--param {}={}: not a number", name, text));
-    opts.params[name] = x;
-  }
+  for (const auto& [name, text] : params)
+    opts.params[name] = parse_number(text, "--param " + name);
   bmo.params = opts.params;
   opts.scale = o.scale;
   opts.kernel = kernel;
@@ -242,18 +238,17 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--seed", o->seed, "seed for --random and the --check row sample");
   cmd->add_option("--capture", o->captures,
                   "a captured tensor, NAME=FILE.npy in its declared dtype (float32 converts to "
-                  "bf16 / fp16) (repeatable)")
-      ->delimiter('=');
-  cmd->add_option("--param", o->params, "a runtime param, NAME=VALUE (repeatable)")->delimiter('=');
+                  "bf16 / fp16) (repeatable)");
+  cmd->add_option("--param", o->params, "a runtime param, NAME=VALUE (repeatable)");
   cmd->add_option("--dtype", o->dtype, "the kernel's input type (default bf16)")
       ->check(CLI::IsMember({"bf16", "fp16"}));
-  cmd->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))");
+  cmd->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))")->check(decimal_number());
   cmd->add_option("--out", o->out, "write the output here, float32 .npy [B, HQ, Q_LEN, D]");
   cmd->add_option("--lse", o->lse, "write the log-sum-exp here, float32 .npy [B, HQ, Q_LEN]");
   cmd->add_flag("--check", o->check, "compare with the float64 CPU reference; exit 1 on failure");
   cmd->add_option("--check-rows", o->check_rows,
                   "check at most this many rows, a random sample (default 4096)")
-      ->check(CLI::PositiveNumber);
+      ->check(int_range(1, int64_t{1} << 40));
   cmd->add_option("--kernel", o->kernel,
                   "forward kernel: auto (Hopper on sm_90 where it applies), portable or hopper")
       ->capture_default_str();

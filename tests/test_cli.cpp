@@ -1,0 +1,101 @@
+// The `flexc` command line on hostile arguments: each is a clear error naming the option, quickly
+// and before any large allocation (no GPU needed: every case fails before looking for one).
+#include <fmt/format.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace {
+
+struct Result {
+  int status = -1;
+  std::string output;  // stdout and stderr
+  double seconds = 0;
+};
+
+Result flexc(const std::string& args) {
+  const std::string cmd = fmt::format("{}/flexc {} 2>&1", FLEXC_BINARY_DIR, args);
+  const auto t0 = std::chrono::steady_clock::now();
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  Result r;
+  std::array<char, 4096> buf;
+  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+// Runs flexc, expects failure with `message` in its output, within a second or two.
+void refused(const std::string& args, const std::string& message) {
+  const Result r = flexc(args);
+  INFO("flexc " << args << "\n" << r.output);
+  CHECK(r.status != 0);
+  CHECK(r.output.find(message) != std::string::npos);
+  CHECK(r.seconds < 2.0);
+}
+
+}  // namespace
+
+TEST_CASE("numbers on the command line are decimal, in range, with readable limits", "[cli]") {
+  refused("blockmask @causal --q-len 0", "--q-len: 0 is too small (at least 1)");
+  refused("blockmask @causal --q-len 0x10", "--q-len: '0x10' is not a decimal integer");
+  refused("blockmask @causal --q-len 1e3", "--q-len: '1e3' is not a decimal integer");
+  refused("blockmask @causal --q-len 99999999999999999999",
+          "--q-len: '99999999999999999999' is too large (at most 2147483647 (2^31 - 1))");
+  refused("blockmask @causal --q-len 64 --tile -1", "--tile: '-1' is not a decimal integer");
+  refused("compile @causal --arch sm_90 --head-dim 4096",
+          "--head-dim: '4096' is too large (at most 1024)");
+  refused("blockmask @sliding_window --q-len 64 --param window=0x10 --device cpu",
+          "--param window: '0x10' is not a finite decimal number");
+  refused("blockmask @sliding_window --q-len 64 --param window=nan --device cpu",
+          "--param window: 'nan' is not a finite decimal number");
+  refused("run @noop --random 1,2,2,16,16,64x", "--random D: '64x' is not a decimal integer");
+  refused("run @noop --random 1,2,2,16,16", "--random '1,2,2,16,16': expected B,HQ,HKV,Q_LEN,KV_LEN,D");
+  refused("run @noop --random 1,2,2,16,16,64 --scale 0x1p3",
+          "--scale: '0x1p3' is not a finite decimal number");
+}
+
+TEST_CASE("repeated NAME=VALUE options and empty lists are errors", "[cli]") {
+  refused("blockmask @sliding_window --q-len 64 --param window=5 --param window=6 --device cpu",
+          "--param window given twice");
+  refused("blockmask @document --q-len 64 --capture doc=docs:2 --capture doc=docs:3 --device cpu",
+          "--capture doc given twice");
+  refused("run @noop --random 1,2,2,16,16,64 --param x=1 --param x=2", "--param x given twice");
+  refused("compile @causal --arch sm_90 --kernel ''", "--kernel '': an empty name in the list");
+  refused("compile @causal --arch sm_90 --kernel attention_fwd,,mods_eval",
+          "--kernel 'attention_fwd,,mods_eval': an empty name in the list");
+  refused("compile @causal --arch sm_90 --emit cu, -o /tmp", "--emit 'cu,': an empty name");
+}
+
+TEST_CASE("sizes are checked before anything is allocated", "[cli]") {
+  refused("blockmask @causal --q-len 100000 --tile 1 --device cpu",
+          "1 groups x 100000 x 100000 tiles need 158.3 GiB of lists; the limit is 4 GiB");
+  refused("blockmask @document --q-len 16384 --capture doc=docs:2147483647 --device cpu",
+          "--capture doc=docs:N: '2147483647' is too large (at most 16384)");
+  refused("blockmask @document_batched --q-len 16384 --batch 2147483647 --capture doc=docs:6 "
+          "--device cpu",
+          "--capture doc: [2147483647, 16384] values of 4 bytes would take 128.0 TiB; the command "
+          "line makes arrays of at most 4.0 GiB");
+  refused("run @noop --random 2147483647,16,16,4096,4096,128",
+          "--random (q): [2147483647, 16, 4096, 128] values of 6 bytes would take 96.0 PiB");
+  refused("check /dev/zero", "cannot read variant config /dev/zero: it is not a regular file");
+}
+
+TEST_CASE("a description is printed with its control characters escaped", "[cli]") {
+  const std::filesystem::path f =
+      std::filesystem::temp_directory_path() / fmt::format("flexc_cli_{}.json", getpid());
+  std::ofstream(f) << R"({"name": "x", "description": "red \u001b[31mALERT\u001b[0m\nline2 é"})";
+  const Result r = flexc("check " + f.string());
+  std::filesystem::remove(f);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("x: red \\x1b[31mALERT\\x1b[0m\\nline2 é\n") != std::string::npos);
+  CHECK(r.output.find('\x1b') == std::string::npos);
+}
