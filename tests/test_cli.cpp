@@ -87,6 +87,14 @@ TEST_CASE("sizes are checked before anything is allocated", "[cli]") {
   refused("run @noop --random 2147483647,16,16,4096,4096,128",
           "--random (q): [2147483647, 16, 4096, 128] values of 6 bytes would take 96.0 PiB");
   refused("check /dev/zero", "cannot read variant config /dev/zero: it is not a regular file");
+  // A capture declared [2^31 - 1, 2^31 - 1]: refused before its document ids are built.
+  const std::filesystem::path f =
+      std::filesystem::temp_directory_path() / fmt::format("flexc_cli_big_{}.json", getpid());
+  std::ofstream(f) << R"({"name": "big", "mask_mod": "doc[q_idx, kv_idx] == 0",
+      "captures": [{"name": "doc", "dtype": "int32", "shape": [2147483647, 2147483647]}]})";
+  refused("blockmask " + f.string() + " --q-len 64 --capture doc=docs:2 --device cpu",
+          "--capture doc: [2147483647, 2147483647] values of 4 bytes would take 16.0 EiB");
+  std::filesystem::remove(f);
 }
 
 TEST_CASE("a description is printed with its control characters escaped", "[cli]") {
