@@ -2,6 +2,7 @@
 // three entries: prep, the main kernel, dq).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -33,11 +34,18 @@ TileConfig bwd_config(int head_dim) {
   return c;
 }
 
+size_t bwd_dq_rows_smem(int head_dim) {
+  const TileConfig c = bwd_config(head_dim);
+  return size_t(2) * head_dim * (2 * c.block_m + 2 * 2 * c.block_n);  // Q, dO, 2 x (K, V)
+}
+
 }  // namespace detail
 
 namespace jit {
 
-KernelSpec attention_bwd_spec(const KernelConfig& cfg) {
+namespace {
+
+KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config(cfg.head_dim);
   if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
     throw Error(fmt::format("attention_bwd: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
@@ -47,8 +55,16 @@ KernelSpec attention_bwd_spec(const KernelConfig& cfg) {
            {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_WARPS", std::to_string(c.threads / 32)}},
+           {"FLEXC_WARPS", std::to_string(c.threads / 32)},
+           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"}},
           cfg.arch};
+}
+
+}  // namespace
+
+KernelSpec attention_bwd_spec(const KernelConfig& cfg) { return bwd_spec(cfg, false); }
+KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg) {
+  return bwd_spec(cfg, true);
 }
 
 }  // namespace jit
@@ -174,20 +190,25 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (dev.major < 8)
     fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
                      dev.major, dev.minor));
-  if (cfg.smem_bytes > dev.max_smem)
+  if (std::max(cfg.smem_bytes, detail::bwd_dq_rows_smem(int(D))) > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
 
   const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
-  const jit::KernelSpec main_spec = jit::attention_bwd_spec(kc);
+  const jit::KernelSpec main_spec = opts.deterministic ? jit::attention_bwd_deterministic_spec(kc)
+                                                       : jit::attention_bwd_spec(kc);
   jit::KernelSpec prep_spec = main_spec, dq_spec = main_spec;
   prep_spec.entry = "flexc_attention_bwd_prep";
-  dq_spec.entry = "flexc_attention_bwd_dq";
+  dq_spec.entry = opts.deterministic ? "flexc_attention_bwd_dq_rows" : "flexc_attention_bwd_dq";
   const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
   const std::vector<const jit::Kernel*> kernels = jit::get_kernels(variant, specs);
+  const size_t dq_rows_smem = detail::bwd_dq_rows_smem(int(D));
 
   const int64_t rows = B * Hq * q_len;
-  const StreamBuffer work(static_cast<size_t>(rows) * (D + 1) * sizeof(float), opts.stream);
+  // delta, and (unless deterministic) the float32 dQ accumulator.
+  const StreamBuffer work(static_cast<size_t>(rows) * (opts.deterministic ? 1 : D + 1) *
+                              sizeof(float),
+                          opts.stream);
   FlexcAttentionBwdParams p{};
   FlexcAttentionParams& f = p.fwd;
   f.q = q.data, f.k = k.data, f.v = v.data, f.o = out.data;
@@ -205,7 +226,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;
   p.delta = reinterpret_cast<float*>(work.ptr());
-  p.dq_accum = p.delta + rows;
+  p.dq_accum = opts.deterministic ? nullptr : p.delta + rows;
   FlexcBlockMask bm{};
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
 
@@ -219,7 +240,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (kv_len > 0)
     kernels[1]->launch(unsigned((kv_len + cfg.block_n - 1) / cfg.block_n), unsigned(Hkv),
                        unsigned(B), unsigned(cfg.threads), cfg.smem_bytes, opts.stream, main_args);
-  if (q_len > 0)
+  if (q_len > 0 && opts.deterministic)
+    kernels[2]->launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq),
+                       unsigned(B), unsigned(cfg.threads), dq_rows_smem, opts.stream, main_args);
+  else if (q_len > 0)
     kernels[2]->launch(unsigned((q_len * (D / 8) + 255) / 256), unsigned(Hq), unsigned(B), 256, 0,
                        opts.stream, prep_args);
 }

@@ -25,6 +25,8 @@ bool sm90_supports(int head_dim);
 // The backward kernel's (templates/attention_bwd.cuh); throws flexc::Error for a head dim it does
 // not support.
 TileConfig bwd_config(int head_dim);
+// Shared memory of the deterministic mode's dQ kernel (flexc_attention_bwd_dq_rows).
+size_t bwd_dq_rows_smem(int head_dim);
 
 }  // namespace flexc::detail
 
@@ -39,7 +41,9 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg);
 // templates/attention_bwd.cuh, entry flexc_attention_bwd:
 //   (FlexcAttentionBwdParams p, FlexcArgs args, FlexcBlockMask bm)
 // The same compile also holds flexc_attention_bwd_prep and flexc_attention_bwd_dq, which take
-// the FlexcAttentionBwdParams alone.
+// the FlexcAttentionBwdParams alone, and flexc_attention_bwd_dq_rows (the main kernel's
+// arguments). The deterministic build leaves dQ to flexc_attention_bwd_dq_rows.
 KernelSpec attention_bwd_spec(const KernelConfig& cfg);
+KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
 
 }  // namespace flexc::jit

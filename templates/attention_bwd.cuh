@@ -17,11 +17,14 @@
 //   flexc_attention_bwd_dq    dQ = scale * accumulator, in the input dtype.
 //
 // dK and dV are summed over the group's query heads inside the CTA (no atomics: deterministic);
-// dQ and capture gradients use float32 atomics. Elements past either length, masked ones and
-// rows whose LSE is -inf (no unmasked element) contribute exactly 0.
+// dQ and capture gradients use float32 atomics. With FLEXC_DETERMINISTIC the main kernel leaves
+// dQ out, and flexc_attention_bwd_dq_rows computes it instead: one CTA per q tile walks the
+// forward's row schedule and recomputes S, P, dP and dS (a second pass over K and V), so dq has
+// the same bits every run. Elements past either length, masked ones and rows whose LSE is -inf
+// (no unmasked element) contribute exactly 0.
 //
 // Compile-time configuration (KernelSpec defines): FLEXC_HEAD_DIM, FLEXC_BF16, FLEXC_BLOCK_M (q
-// rows per step), FLEXC_BLOCK_N (kv rows per CTA), FLEXC_WARPS.
+// rows per step), FLEXC_BLOCK_N (kv rows per CTA), FLEXC_WARPS, FLEXC_DETERMINISTIC.
 #include "attention_tile.cuh"
 #include "tile_mma.cuh"
 
@@ -35,6 +38,7 @@ constexpr bool kBf16 = FLEXC_BF16 != 0;
 constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kWarps = FLEXC_WARPS;
+constexpr bool kDeterministic = FLEXC_DETERMINISTIC != 0;
 constexpr int kThreads = kWarps * 32;
 constexpr int kNT = kBlockM / 8;       // n8 column tiles (queries) of a warp's S^T
 constexpr int kDT = kD / 8;            // n8 column tiles of dK, dV, dQ
@@ -43,6 +47,7 @@ constexpr int kMQ = kQRows / 16;
 
 static_assert(kBlockN == 16 * kWarps, "each warp owns 16 kv rows");
 static_assert(kQRows % 16 == 0, "each warp owns a multiple of 16 dQ rows");
+static_assert(!kDeterministic || kBlockM == 16 * kWarps, "dq_rows: 16 q rows per warp");
 static_assert(kD % 32 == 0 && kD <= 128, "head dim: a multiple of 32, at most 128");
 
 using KvTile = SmemTile<kBlockN, kD>;
@@ -56,6 +61,14 @@ constexpr int kSmemBytes = 2 * KvTile::kBytes + 2 * kStageBytes + DsTile::kBytes
 
 using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Kv>;
 using QSchedule = flexc_attn::QSchedule<kBlockM>;
+constexpr bool kGrad = !FlexcVariant::kScoreGradIsOne;
+
+// dS = P (dP - delta) d score_mod / d score, in place of dP; where P is 0 (masked, past a length,
+// a score_mod of -inf) dS is exactly 0 whatever the derivative there.
+__device__ __forceinline__ float dscore(float p, float dp, float delta, float grad) {
+  const float ds = p * (dp - delta) * (kGrad ? grad : 1.f);
+  return p == 0.f ? 0.f : ds;
+}
 
 }  // namespace flexc_bwd
 
@@ -79,7 +92,8 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int m = 16; m >= 1; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
   const long long r = (static_cast<long long>(b) * p.fwd.q_heads + h) * p.fwd.q_len + row;
   if (lane == 0) p.delta[r] = p.dlse ? sum - p.dlse[r] : sum;
-  for (int c = lane; c < kD; c += 32) p.dq_accum[r * kD + c] = 0.f;
+  if (p.dq_accum != nullptr)
+    for (int c = lane; c < kD; c += 32) p.dq_accum[r * kD + c] = 0.f;
 }
 
 extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
@@ -191,7 +205,6 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) x[j][e] = s[0][j][e] * p.scale;
     }
-    constexpr bool kGrad = !FlexcVariant::kScoreGradIsOne;
     float grad[1][kGrad ? kNT : 1][4];
     Scores::apply_mods<kGrad>(s, grad, p, args, b, hq, row0, q0, partial);
 
@@ -229,14 +242,14 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     const Scores::Idx idx = Scores::index(row0, q0, p);
     Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool in) {
       const float pv = s[0][j][e];
-      float ds = pv * (dp[0][j][e] - delta[j * 8 + (lane & 3) * 2 + (e & 1)]);
       if constexpr (FlexcVariant::kHasCaptureGrads) {
+        const float ds = pv * (dp[0][j][e] - delta[j * 8 + (lane & 3) * 2 + (e & 1)]);
         if (in && pv != 0.f)
           FlexcVariant::accumulate_capture_grads(args, ds, x[j][e], b, hq, q_idx, kv_idx,
                                                  p.q_len, p.kv_len);
       }
-      if constexpr (kGrad) ds *= grad[0][j][e];
-      dp[0][j][e] = pv == 0.f ? 0.f : ds;
+      dp[0][j][e] = dscore(pv, dp[0][j][e], delta[j * 8 + (lane & 3) * 2 + (e & 1)],
+                           grad[0][kGrad ? j : 0][e]);
     });
 
     // dK += dS^T Q
@@ -248,44 +261,46 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
         ldmatrix_x4_trans(bf, frag_bt_q(q_tile(stage), kk, n / 8));
       });
     }
-    // dS^T to shared memory, then each warp takes kQRows query rows of dQ += dS K.
+    if constexpr (!kDeterministic) {
+      // dS^T to shared memory, then each warp takes kQRows query rows of dQ += dS K.
 #pragma unroll
-    for (int j = 0; j < kNT; ++j)
+      for (int j = 0; j < kNT; ++j)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp * 16 + (lane >> 2) + r * 8, col = j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<unsigned*>(ds_bytes + DsTile::offset(row, col >> 3) + (col & 7) * 2) =
-            pack2<kBf16>(dp[0][j][2 * r], dp[0][j][2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp * 16 + (lane >> 2) + r * 8, col = j * 8 + (lane & 3) * 2;
+          *reinterpret_cast<unsigned*>(ds_bytes + DsTile::offset(row, col >> 3) + (col & 7) * 2) =
+              pack2<kBf16>(dp[0][j][2 * r], dp[0][j][2 * r + 1]);
+        }
+      __syncthreads();
+      float dq[kMQ][kDT][4];
+      zero_fragments(dq);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN; kk += 16) {
+        unsigned a[kMQ][4];
+#pragma unroll
+        for (int i = 0; i < kMQ; ++i)
+          ldmatrix_x4_trans(a[i], frag_a_ds(ds_tile, kk, (warp * kQRows + i * 16) / 8));
+        mma_rows<kBf16>(dq, a, [&](unsigned(&bf)[4], int n) {
+          ldmatrix_x4_trans(bf, frag_b_kv(k_tile, kk, n / 8));
+        });
       }
-    __syncthreads();
-    float dq[kMQ][kDT][4];
-    zero_fragments(dq);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN; kk += 16) {
-      unsigned a[kMQ][4];
+      float* acc = bp.dq_accum + ((static_cast<long long>(b) * p.q_heads + hq) * p.q_len) * kD;
 #pragma unroll
       for (int i = 0; i < kMQ; ++i)
-        ldmatrix_x4_trans(a[i], frag_a_ds(ds_tile, kk, (warp * kQRows + i * 16) / 8));
-      mma_rows<kBf16>(dq, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4_trans(bf, frag_b_kv(k_tile, kk, n / 8));
-      });
-    }
-    float* acc = bp.dq_accum + ((static_cast<long long>(b) * p.q_heads + hq) * p.q_len) * kD;
 #pragma unroll
-    for (int i = 0; i < kMQ; ++i)
+        for (int r = 0; r < 2; ++r) {
+          const int q = q0 + warp * kQRows + i * 16 + (lane >> 2) + r * 8;
+          if (q < p.q_len) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int q = q0 + warp * kQRows + i * 16 + (lane >> 2) + r * 8;
-        if (q < p.q_len) {
-#pragma unroll
-          for (int j = 0; j < kDT; ++j) {
-            atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2,
-                      dq[i][j][2 * r]);
-            atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2 + 1,
-                      dq[i][j][2 * r + 1]);
+            for (int j = 0; j < kDT; ++j) {
+              atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2,
+                        dq[i][j][2 * r]);
+              atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2 + 1,
+                        dq[i][j][2 * r + 1]);
+            }
           }
         }
-      }
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
@@ -306,6 +321,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
       bp.dv_stride[2], row0, p.kv_len);
 }
 
+#if !FLEXC_DETERMINISTIC
 // dQ = scale * accumulator, in the input type: one thread per 8 elements (one 16-byte store).
 extern "C" __global__ void __launch_bounds__(256)
     flexc_attention_bwd_dq(const FlexcAttentionBwdParams p) {
@@ -325,3 +341,120 @@ extern "C" __global__ void __launch_bounds__(256)
   auto* dq = static_cast<unsigned short*>(p.dq) + b * p.dq_stride[0] + h * p.dq_stride[1];
   *reinterpret_cast<uint4*>(dq + row * p.dq_stride[2] + ch * 8) = out;
 }
+#endif
+
+#if FLEXC_DETERMINISTIC
+// Deterministic dQ: one CTA per (q tile, query head, batch) walks the kv tiles of its BlockMask
+// row (the forward's schedule), recomputes S, P, dP and dS, and accumulates dQ = scale dS K in
+// registers; no atomics, so dq has the same bits every run.
+extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
+    flexc_attention_bwd_dq_rows(const FlexcAttentionBwdParams bp, const FlexcArgs args,
+                                const FlexcBlockMask bm) {
+  using namespace flexc_bwd;
+  using RowScores = flexc_attn::ScoreTile<1, kBlockN / 8>;
+  using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
+  const FlexcAttentionParams& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  // Q and dO, then two stages of K and V.
+  const unsigned q_tile = smem_addr(smem), do_tile = q_tile + QTile::kBytes;
+  auto k_tile = [&](int stage) { return do_tile + QTile::kBytes + stage * 2 * KvTile::kBytes; };
+  auto v_tile = [&](int stage) { return k_tile(stage) + KvTile::kBytes; };
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest q tiles first, as the forward
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int h_kv = h / (p.q_heads / p.kv_heads);
+  const int q0 = m_block * kBlockM;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row0 = q0 + warp * 16;
+
+  const auto* k = at<unsigned short>(p.k, p.k_stride, b, h_kv);
+  const auto* v = at<unsigned short>(p.v, p.v_stride, b, h_kv);
+  const KvSchedule sched(bm, b, h, q0, p.kv_len);
+  KvSchedule::Cursor fetch, cur;
+  const TileCopy<KvTile, kThreads> copy_kv;
+  auto load_kv = [&](int i) {
+    if (i < sched.count) {
+      const int kv0 = sched.start(fetch);
+      copy_kv(k_tile(i & 1), k, p.k_stride[2], kv0, p.kv_len);
+      copy_kv(v_tile(i & 1), v, p.v_stride[2], kv0, p.kv_len);
+      sched.advance(fetch);
+    }
+    cp_async_commit();
+  };
+  const TileCopy<QTile, kThreads> copy_q;
+  copy_q(q_tile, at<unsigned short>(p.q, p.q_stride, b, h), p.q_stride[2], q0, p.q_len);
+  copy_q(do_tile, at<unsigned short>(bp.dout, bp.do_stride, b, h), bp.do_stride[2], q0, p.q_len);
+  cp_async_commit();
+  load_kv(0);
+
+  // This thread's two rows per row tile: LSE * log2(e) (+inf for rows with P = 0) and delta.
+  float lse2[2], delta[2];
+  const long long base = (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int q = row0 + (lane >> 2) + r * 8;
+    const float l = q < p.q_len ? p.lse[base + q] : neg_inf();
+    lse2[r] = l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+    delta[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
+  }
+  const auto frag_a_q = FragAddr<QTile>::a();
+  const auto frag_b_kv = FragAddr<KvTile>::b_nk();
+  const auto frag_bt_kv = FragAddr<KvTile>::b_kn();
+  const float to_log2 = flexc_attn::units_log2(p);
+  float dq[1][kDT][4];
+  zero_fragments(dq);
+
+  for (int it = 0; it < sched.count; ++it) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile `it` visible; every warp done with the stage refilled next
+    load_kv(it + 1);
+    const int stage = it & 1;
+    const int kv0 = sched.start(cur);
+    const bool partial = sched.is_partial(cur);
+    sched.advance(cur);
+
+    float s[1][kBlockN / 8][4], dp[1][kBlockN / 8][4];
+    zero_fragments(s);
+    zero_fragments(dp);
+#pragma unroll
+    for (int kk = 0; kk < kD; kk += 16) {
+      unsigned a[1][4], a_do[1][4];
+      ldmatrix_x4(a[0], frag_a_q(q_tile, warp * 16, kk / 8));
+      ldmatrix_x4(a_do[0], frag_a_q(do_tile, warp * 16, kk / 8));
+      mma_rows<kBf16>(s, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4(bf, frag_b_kv(k_tile(stage), n, kk / 8));
+      });
+      mma_rows<kBf16>(dp, a_do, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4(bf, frag_b_kv(v_tile(stage), n, kk / 8));
+      });
+    }
+    float grad[1][kGrad ? kBlockN / 8 : 1][4];
+    RowScores::apply_mods<kGrad>(s, grad, p, args, b, h, row0, kv0, partial);
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2_approx(fmaf(s[0][j][e], to_log2, -lse2[e >> 1]));
+        dp[0][j][e] = dscore(pv, dp[0][j][e], delta[e >> 1], grad[0][kGrad ? j : 0][e]);
+      }
+    // dQ += dS K
+#pragma unroll
+    for (int kk = 0; kk < kBlockN; kk += 16) {
+      unsigned a[1][4];
+      c_to_a<kBf16>(dp[0], kk / 16, a[0]);
+      mma_rows<kBf16>(dq, a, [&](unsigned(&bf)[4], int n) {
+        ldmatrix_x4_trans(bf, frag_bt_kv(k_tile(stage), kk, n / 8));
+      });
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // Each warp stages its 16 rows in the Q tile (read by no one any more), then stores them.
+  flexc_attn::stage_fragments<QTile, kBf16>(dq, [&](int, int) { return p.scale; }, smem, warp * 16);
+  __syncwarp();
+  flexc_attn::store_staged<QTile, 16>(
+      smem, warp * 16,
+      static_cast<unsigned short*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1],
+      bp.dq_stride[2], row0, p.q_len);
+}
+#endif  // FLEXC_DETERMINISTIC

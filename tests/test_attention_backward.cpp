@@ -126,11 +126,14 @@ std::vector<float> download16(DType d, const jit::DeviceBuffer& buf, size_t n) {
 
 // Forward (to get out and lse) then backward on the GPU, against direct_backward.
 // With `slope` (alibi), the slope capture is uploaded and its gradient checked too.
+// Every case runs the backward twice: dk and dv must come out bitwise equal, and dq too when
+// `deterministic`.
 void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dtype,
-                bool block_mask, const std::vector<float>* slope = nullptr) {
-  INFO(fmt::format("{} {} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}", variant.name(),
+                bool block_mask, const std::vector<float>* slope = nullptr,
+                bool deterministic = false) {
+  INFO(fmt::format("{} {} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}", variant.name(),
                    dtype_name(dtype), s.B, s.Hq, s.Hkv, s.Lq, s.Lkv, s.D,
-                   block_mask ? "" : " dense"));
+                   block_mask ? "" : " dense", deterministic ? " deterministic" : ""));
   const std::vector<int64_t> qs{s.B, s.Hq, s.Lq, s.D}, ks{s.B, s.Hkv, s.Lkv, s.D};
   const std::vector<float> q = normal(s.B * s.Hq * s.Lq * s.D, dtype),
                            k = normal(s.B * s.Hkv * s.Lkv * s.D, dtype),
@@ -169,8 +172,17 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
   BackwardOptions bo;
   bo.block_mask = fo.block_mask;
   bo.captures = captures;
+  bo.deterministic = deterministic;
   attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
+  // Again into fresh poisoned buffers (capture gradients are not compared: atomics).
+  TensorView tdq2, tdk2, tdv2;
+  const auto bdq2 = upload16(dtype, nan, qs, tdq2), bdk2 = upload16(dtype, nan_kv, ks, tdk2),
+             bdv2 = upload16(dtype, nan_kv, ks, tdv2);
+  attention_backward(tq, tk, tv, tout, tlse, tdout, {tdq2, tdk2, tdv2, {}}, variant, bo);
   jit::synchronize_device();
+  CHECK(bdk.to_vector<uint16_t>(k.size()) == bdk2.to_vector<uint16_t>(k.size()));
+  CHECK(bdv.to_vector<uint16_t>(k.size()) == bdv2.to_vector<uint16_t>(k.size()));
+  if (deterministic) CHECK(bdq.to_vector<uint16_t>(q.size()) == bdq2.to_vector<uint16_t>(q.size()));
 
   const Grads want = direct_backward(s, q, k, v, dout, download16(dtype, bout, q.size()),
                                     1.0 / std::sqrt(double(s.D)), mod);
@@ -268,6 +280,9 @@ TEST_CASE("backward gradients match float64: lengths, GQA, masks, score_mods", "
                       [](double, auto...) { return 1.0; },
                       [](int64_t i, int64_t j) { return double(j - i); }};
       check_case(alibi_v, alibi, s, dt, true, &slope);
+      check_case(causal_v, causal, s, dt, true, nullptr, true);
+      check_case(softcap_v, softcap, s, dt, false, nullptr, true);
+      check_case(alibi_v, alibi, s, dt, true, &slope, true);
     }
 }
 
@@ -289,7 +304,8 @@ TEST_CASE("backward: fully masked rows and -inf from score_mod give 0, never NaN
   for (const Shape& s : {Shape{1, 2, 1, 70, 70, 64}, Shape{2, 4, 2, 129, 300, 128}})
     for (DType dt : {DType::BF16, DType::F16}) {
       check_case(late, late_mod, s, dt, true);
-      check_case(late, late_mod, s, dt, false);
+      check_case(late, late_mod, s, dt, false, nullptr, true);
       check_case(holes, holes_mod, s, dt, false);
+      check_case(holes, holes_mod, s, dt, true, nullptr, true);
     }
 }

@@ -3,7 +3,8 @@
 // catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and document (six equal
 // documents) at S = 16k, B = 1, H = 16, D = 128.
 //
-//   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward] [--json]
+//   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward
+//                   [--atomic-dq]] [--json]
 //
 // FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention), density = the exact fraction of (q, kv) pairs the mask
 // keeps (tools/bench_peers.py uses the same, so the peers' TFLOP/s compare directly). Time: CUDA
@@ -104,7 +105,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> only;
   int reps = 20;
   std::string dtype_name_arg = "bf16";
-  bool json = false, backward = false;
+  bool json = false, backward = false, atomic_dq = false;
   std::vector<std::string> kernel_names{"auto"};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--kernel", kernel_names,
@@ -114,6 +115,9 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype_name_arg, "bf16 or fp16")->check(CLI::IsMember({"bf16", "fp16"}));
   app.add_flag("--backward", backward,
                "time flexc::attention_backward (after one forward for out and LSE) instead");
+  app.add_flag("--atomic-dq", atomic_dq,
+               "with --backward: dq by atomics in the main kernel (BackwardOptions::deterministic "
+               "= false)");
   app.add_flag("--json", json, "also print one JSON object per case (for tools/bench_peers.py)");
   CLI11_PARSE(app, argc, argv);
   try {
@@ -184,6 +188,7 @@ int main(int argc, char** argv) {
         bopts.block_mask = opts.block_mask;
         bopts.captures = opts.captures;
         bopts.stream = stream.get();
+        bopts.deterministic = !atomic_dq;
       }
       for (FwdKernel kernel : kernels) {  // the same inputs and BlockMask for each kernel
         opts.kernel = kernel;
@@ -202,7 +207,8 @@ int main(int argc, char** argv) {
         const double t = median(ms);
         const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
                               double(c.s) * double(c.d) * dens / t * 1e-9;
-        const std::string_view kname = backward ? "bwd" : to_string(kernel);
+        const std::string_view kname =
+            backward ? (atomic_dq ? "bwd_atomic" : "bwd") : to_string(kernel);
         fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
                    c.s, c.d, B, H, dens, t, tflops);
         if (json)

@@ -24,6 +24,8 @@ constexpr KnownKernel kKernels[] = {
      "sm_90a"},
     {"attention_bwd", "backward attention (FlashAttention-2 structure, mma.sync, sm_80+)",
      &attention_bwd_spec},
+    {"attention_bwd_deterministic", "backward attention, dq without atomics (bitwise reproducible)",
+     &attention_bwd_deterministic_spec},
     {"mods_eval", "the variant's mods over a grid of indices (tests)", &mods_eval_spec},
     {"blockmask_classify", "BlockMask: mask_mod over the tiles the analysis left undecided",
      &blockmask_classify_spec},
