@@ -368,6 +368,11 @@ TEST_CASE("cache damage a hostile user can do is bypassed with a warning and the
   CHECK_THAT(again("a directory with contents"),
              Catch::Contains("it is a directory; it cannot be removed, so it is bypassed"));
   CHECK_THAT(again("still there"), Catch::Contains("the kernel is not cached"));
+  {  // a directory in an entry's place counts as no bytes, not as a wrapped -1
+    const DiskCache dc(CacheSettings::from_env());
+    CHECK(dc.total_bytes() < (uint64_t{1} << 30));
+    for (const DiskCache::Item& it : dc.list()) CHECK(it.bytes < (uint64_t{1} << 30));
+  }
   CHECK(DiskCache(CacheSettings::from_env()).clear() == 2);  // both entries: the directory too
   CHECK_FALSE(fs::exists(file));
   reset_cache();

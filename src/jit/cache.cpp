@@ -238,7 +238,8 @@ std::optional<CacheEntry> parse(std::string_view file, std::string_view key, std
   if (h.header_bytes != sizeof h)
     return fail(fmt::format("damaged header (it gives its size as {} bytes, not {})",
                             h.header_bytes, sizeof h));
-  if (std::string_view(h.key, sizeof h.key) != key) return fail("it holds another key");
+  if (std::string_view(h.key, sizeof h.key) != key)
+    return fail("it holds another key (or its key is damaged)");
   std::string_view payload = file.substr(sizeof h);
   if (payload.size() != h.payload_bytes)
     return fail(
@@ -334,7 +335,8 @@ void DiskCache::store(std::string_view key, const CacheEntry& entry) const {
       }
     if (fd >= 0 && close(fd) != 0) ok = false;
     if (!ok) {
-      warn(fmt::format("cannot write the cache file {}; the kernel is not cached", tmp.string()));
+      warn(fmt::format("cannot write the cache file {} ({}); the kernel is not cached",
+                       tmp.string(), std::strerror(errno)));
       std::error_code ec;
       fs::remove(tmp, ec);
       return;
@@ -391,7 +393,7 @@ std::vector<DiskCache::Item> DiskCache::list() const {
     if (p.extension() != ".bin" || !valid_key(p.stem().string())) continue;
     Item it;
     it.key = p.stem().string();
-    it.bytes = de.file_size(ec);
+    it.bytes = de.is_regular_file(ec) ? de.file_size(ec) : 0;  // not a directory's -1
     it.last_used = de.last_write_time(ec);
     std::string why;
     if (const auto file = read_entry(p, why))
@@ -408,7 +410,7 @@ uint64_t DiskCache::total_bytes() const {
   std::error_code ec;
   if (s_.disk)
     for (const fs::directory_entry& de : fs::directory_iterator(s_.dir, ec))
-      if (de.path().extension() == ".bin") total += de.file_size(ec);
+      if (de.path().extension() == ".bin" && de.is_regular_file(ec)) total += de.file_size(ec);
   return total;
 }
 

@@ -1,7 +1,8 @@
 // The one path from (variant, kernel template, compile-time config) to a launchable kernel:
 // emit flexc_variant.cuh -> splice -> cache lookup (memory, then disk) -> NVRTC on a miss ->
 // Driver API module load. Settings come from the environment (docs/jit.md): FLEXC_CACHE_DIR,
-// FLEXC_DISABLE_DISK_CACHE, FLEXC_CACHE_MAX_BYTES, FLEXC_TEMPLATE_DIR, CUDA_HOME, FLEXC_LINEINFO.
+// FLEXC_DISABLE_DISK_CACHE, FLEXC_CACHE_MAX_BYTES, FLEXC_CACHE_LOCK_TIMEOUT, FLEXC_TEMPLATE_DIR,
+// CUDA_HOME, FLEXC_LINEINFO.
 #pragma once
 
 #include <atomic>
