@@ -90,6 +90,12 @@ Value evaluate(const Graph& g, NodeId root, const EvalEnv& env, Precision p,
 // F32 must already be float32 values.
 Value evaluate_op(const Node& n, std::span<const Value> args, Precision p);
 
+// The element a Load reads: its index operands' values (in `vals`, indexed by node id, as
+// evaluate's scratch leaves them) wrapped into [0, dim) as the kernels wrap them, then through
+// `strides` (elements; empty: contiguous). Every dim must be positive.
+int64_t load_offset(const Node& load, const Value* vals, std::span<const int64_t> shape,
+                    std::span<const int64_t> strides);
+
 // ---- derivatives of a score_mod, for the backward kernel
 
 // d(root)/d(score), as a new expression in the same graph (reads the same inputs; may read score).

@@ -274,8 +274,8 @@ constexpr const char* kScoreParams =
 constexpr const char* kMaskParams =
     "const FlexcArgs& a, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len";
 constexpr const char* kGradParams =
-    "const FlexcArgs& a, float grad_score, float score, int b, int h, int q_idx, int kv_idx, "
-    "int q_len, int kv_len";
+    "const FlexcArgs& a, Sink& grads, float grad_score, float score, int b, int h, int q_idx, "
+    "int kv_idx, int q_len, int kv_len";
 
 std::string hook(const char* ret, const char* name, const char* params, const std::string& body) {
   return fmt::format("  __device__ static __forceinline__ {} {}({}) {{\n{}  }}\n", ret, name,
@@ -337,10 +337,11 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kMaskReadsB = {};\n"
       "  static constexpr bool kMaskReadsH = {};\n"
       "  static constexpr bool kScoreGradIsOne = {};\n"
-      "  static constexpr bool kHasCaptureGrads = {};\n\n",
+      "  static constexpr bool kHasCaptureGrads = {};\n"
+      "  static constexpr int kCaptureGradLoads = {};\n\n",
       sanitise(in.variant_name), is_identity_score(score, score.root),
       is_all_true_mask(mask, mask.root), mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one,
-      !loads.empty());
+      !loads.empty(), loads.size());
 
   out += value_hook(score, decls, "score_mod", "float", "score_mod", kScoreParams);
   out += value_hook(mask, decls, "mask_mod", "bool", "mask_mod", kMaskParams);
@@ -352,10 +353,10 @@ std::string emit_cuda_variant(const EmitInput& in) {
     w.need_value(ld.derivative);
   }
   std::string body = w.write();
-  for (const LoadDerivative& ld : loads)
-    body += fmt::format("    flexc_grad_add(a.captures[{}], o{}, __fmul_rn(grad_score, {}));\n",
-                        cg[ld.load].slot, ld.load, w.ref(ld.derivative));
-  out += hook("void", "accumulate_capture_grads", kGradParams, body);
+  for (size_t k = 0; k < loads.size(); ++k)
+    body += fmt::format("    grads.add({}, a.captures[{}], o{}, __fmul_rn(grad_score, {}));\n", k,
+                        cg[loads[k].load].slot, loads[k].load, w.ref(loads[k].derivative));
+  out += "  template <class Sink>\n" + hook("void", "accumulate_capture_grads", kGradParams, body);
   out += "};\n";
   return out;
 }

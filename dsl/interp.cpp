@@ -99,14 +99,9 @@ Value load(const Node& n, const Value* vals, const EvalEnv& env) {
     bad_env(fmt::format("capture slot {} has a {} tensor of rank {}; the mod reads a {} of rank {}",
                         n.slot, dtype_name(t.dtype), t.shape.size(), type_name(n.type), n.nargs));
   if (t.data == nullptr) bad_env(fmt::format("capture slot {} has no data", n.slot));
-  int64_t offset = 0;
-  for (int k = 0; k < n.nargs; ++k) {
-    const int64_t dim = t.shape[k];
-    if (dim <= 0) bad_env(fmt::format("capture slot {} has an empty dimension", n.slot));
-    int64_t i = vals[n.args[k]].i % dim;
-    if (i < 0) i += dim;
-    offset = t.strides.empty() ? offset * dim + i : offset + i * t.strides[k];
-  }
+  for (int k = 0; k < n.nargs; ++k)
+    if (t.shape[k] <= 0) bad_env(fmt::format("capture slot {} has an empty dimension", n.slot));
+  const int64_t offset = load_offset(n, vals, t.shape, t.strides);
   switch (t.dtype) {
     case DType::F32: return fval(static_cast<const float*>(t.data)[offset]);
     case DType::BF16: return fval(bf16_to_float(static_cast<const uint16_t*>(t.data)[offset]));
@@ -236,6 +231,18 @@ Value run(const Graph& g, NodeId root, const EvalEnv& env, std::vector<Value>& v
 }
 
 }  // namespace
+
+int64_t load_offset(const Node& load, const Value* vals, std::span<const int64_t> shape,
+                    std::span<const int64_t> strides) {
+  int64_t offset = 0;
+  for (int k = 0; k < load.nargs; ++k) {
+    const int64_t dim = shape[k];
+    int64_t i = vals[load.args[k]].i % dim;
+    if (i < 0) i += dim;
+    offset = strides.empty() ? offset * dim + i : offset + i * strides[k];
+  }
+  return offset;
+}
 
 Value evaluate(const Graph& g, NodeId root, const EvalEnv& env, Precision p,
                std::vector<Value>& scratch) {

@@ -2,13 +2,12 @@
 #include "flexc/reference.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <fmt/format.h>
 #include <limits>
-#include <thread>
 
 #include "attention_args.h"
+#include "reference_common.h"
 #include "dsl/analysis.h"
 #include "flexc/error.h"
 
@@ -18,30 +17,12 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-double round_to(DType d, double x) {
-  const float f = static_cast<float>(x);
-  return d == DType::BF16 ? bf16_to_float(float_to_bf16(f)) : fp16_to_float(float_to_fp16(f));
-}
-
-// Runs f(begin, end) over [0, n) in chunks on every hardware thread.
-template <class F>
-void parallel_chunks(int64_t n, int64_t chunk, F f) {
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t i; (i = next.fetch_add(chunk)) < n;) f(i, std::min(n, i + chunk));
-  };
-  const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> threads;
-  for (unsigned t = 1; t < nt; ++t) threads.emplace_back(work);
-  work();
-  for (auto& t : threads) t.join();
-}
-
 }  // namespace
 
-ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p) {
-  const detail::VariantImpl& impl = v.impl();
-  const std::string what = fmt::format("reference attention for '{}'", impl.name);
+namespace detail {
+
+ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceProblem& p,
+                                       const std::string& what) {
   const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, Lkv = p.kv_len,
                 D = p.head_dim;
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || Lq < 0 || Lkv < 0 || D < 1)
@@ -56,16 +37,30 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
   check_size("v", p.v.size(), B * Hkv * Lkv * D);
   if (p.dtype != DType::BF16 && p.dtype != DType::F16)
     throw Error(fmt::format("{}: dtype must be bf16 or fp16, not {}", what, dtype_name(p.dtype)));
-  const double scale = p.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
-
-  const std::vector<double> params = detail::resolve_params(impl, p.params, what);
-  const auto views = detail::resolve_captures(impl, p.captures, {B, Hq, Lq, Lkv}, what);
-  std::vector<dsl::HostTensor> captures(views.size());
+  ReferenceInputs in;
+  in.scale = p.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
+  in.params = resolve_params(impl, p.params, what);
+  const auto views = resolve_captures(impl, p.captures, {B, Hq, Lq, Lkv}, what);
+  in.captures.resize(views.size());
   for (size_t slot = 0; slot < views.size(); ++slot) {
     if (!views[slot]) continue;
     const TensorView& t = *views[slot];
-    captures[slot] = {detail::to_dsl(t.dtype), t.data, t.shape, t.strides};
+    in.captures[slot] = {to_dsl(t.dtype), t.data, t.shape, t.strides};
   }
+  return in;
+}
+
+}  // namespace detail
+
+ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p) {
+  const detail::VariantImpl& impl = v.impl();
+  const std::string what = fmt::format("reference attention for '{}'", impl.name);
+  const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, Lkv = p.kv_len,
+                D = p.head_dim;
+  const detail::ReferenceInputs in = detail::check_reference_inputs(impl, p, what);
+  const double scale = in.scale;
+  const std::vector<double>& params = in.params;
+  const std::vector<dsl::HostTensor>& captures = in.captures;
 
   ReferenceResult r;
   r.rows = p.rows;
@@ -84,7 +79,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
   const dsl::Graph& mask = impl.mask.graph;
   const bool identity = dsl::is_identity_score(score, score.root);
   const bool all_true = dsl::is_all_true_mask(mask, mask.root);
-  parallel_chunks(n, 8, [&](int64_t begin, int64_t end) {
+  detail::parallel_chunks(n, 8, [&](int64_t begin, int64_t end) {
     std::vector<double> s(Lkv), s32(Lkv), gold(D), ref(D);
     std::vector<dsl::Value> scratch;
     dsl::EvalEnv env;
@@ -126,14 +121,14 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
       for (int64_t j = 0; j < Lkv; ++j) {
         if (s[j] == -kInf) continue;
         const double pg = std::exp(s[j] - mx), pr = std::exp(s32[j] - mx32);
-        const double pr16 = round_to(p.dtype, pr);
+        const double pr16 = detail::round_to(p.dtype, pr);
         l += pg, l32 += pr;
         const float* vv = p.v.data() + ((b * Hkv + hk) * Lkv + j) * D;
         for (int64_t d = 0; d < D; ++d) gold[d] += pg * vv[d], ref[d] += pr16 * vv[d];
       }
       for (int64_t d = 0; d < D; ++d) {
         r.gold_out[i * D + d] = gold[d] / l;
-        r.ref_out[i * D + d] = round_to(p.dtype, ref[d] / l32);
+        r.ref_out[i * D + d] = detail::round_to(p.dtype, ref[d] / l32);
       }
       r.gold_lse[i] = mx + std::log(l);
       r.ref_lse[i] = static_cast<float>(mx32 + std::log(l32));

@@ -13,7 +13,8 @@
 //                               dS^T = P^T (dP^T - delta) d score_mod / d score
 //                               dK += dS^T Q,  dQ += dS K             (dQ: float32 atomics)
 //                             Capture gradients: dS before the score_mod factor, through the
-//                             variant's accumulate_capture_grads (float32 atomics).
+//                             variant's accumulate_capture_grads into a FlexcGradSink (float32
+//                             atomics when an element changes; a warp's equal ones combined).
 //   flexc_attention_bwd_dq    dQ = scale * accumulator, in the input dtype.
 //
 // dK and dV are summed over the group's query heads inside the CTA (no atomics: deterministic);
@@ -159,6 +160,13 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
   };
 
   float dk[1][kDT][4], dv[1][kDT][4];
+  FlexcGradSink<FlexcVariant::kCaptureGradLoads> capture_grads;
+  // Whether the caller asked for any capture gradient: if not, the hook is never called (its
+  // derivatives and the sink's bookkeeping cost registers and time for nothing).
+  bool want_capture_grads = false;
+  if constexpr (FlexcVariant::kHasCaptureGrads)
+    for (int c = 0; c < FLEXC_MAX_CAPTURES; ++c)
+      want_capture_grads |= args.captures[c].grad != nullptr;
   zero_fragments(dk);
   zero_fragments(dv);
   const auto frag_a_kv = FragAddr<KvTile>::a();
@@ -244,9 +252,9 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
       const float pv = s[0][j][e];
       if constexpr (FlexcVariant::kHasCaptureGrads) {
         const float ds = pv * (dp[0][j][e] - delta[j * 8 + (lane & 3) * 2 + (e & 1)]);
-        if (in && pv != 0.f)
-          FlexcVariant::accumulate_capture_grads(args, ds, x[j][e], b, hq, q_idx, kv_idx,
-                                                 p.q_len, p.kv_len);
+        if (want_capture_grads && in && pv != 0.f)
+          FlexcVariant::accumulate_capture_grads(args, capture_grads, ds, x[j][e], b, hq, q_idx,
+                                                 kv_idx, p.q_len, p.kv_len);
       }
       dp[0][j][e] = dscore(pv, dp[0][j][e], delta[j * 8 + (lane & 3) * 2 + (e & 1)],
                            grad[0][kGrad ? j : 0][e]);
@@ -303,6 +311,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     }
   }
   cp_async_wait<0>();
+  capture_grads.flush_warp();
   __syncthreads();
 
   // dK (times the softmax scale) and dV through the K and V tiles, which no warp reads any more:

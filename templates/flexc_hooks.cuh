@@ -13,6 +13,7 @@
 //   static constexpr bool kMaskReadsB, kMaskReadsH;        // BlockMask broadcast when false
 //   static constexpr bool kScoreGradIsOne;   // d score_mod / d score == 1 everywhere
 //   static constexpr bool kHasCaptureGrads;  // score_mod reads a float capture differentiably
+//   static constexpr int kCaptureGradLoads;  // how many of its loads do (0 when none)
 //
 //   __device__ static float score_mod(const FlexcArgs& a, float score, int b, int h,
 //                                     int q_idx, int kv_idx, int q_len, int kv_len);
@@ -21,10 +22,12 @@
 //   // d score_mod / d score at the same point
 //   __device__ static float score_mod_grad(const FlexcArgs& a, float score, int b, int h,
 //                                          int q_idx, int kv_idx, int q_len, int kv_len);
-//   // adds grad_score * d score_mod / d capture[idx] into each read float capture's `grad`
-//   __device__ static void accumulate_capture_grads(const FlexcArgs& a, float grad_score,
-//                                                   float score, int b, int h, int q_idx,
-//                                                   int kv_idx, int q_len, int kv_len);
+//   // adds grad_score * d score_mod / d capture[idx] into each read float capture's `grad`,
+//   // through a FlexcGradSink<kCaptureGradLoads> (below) that the kernel flushes
+//   template <class Sink>
+//   __device__ static void accumulate_capture_grads(const FlexcArgs& a, Sink& grads,
+//                                                   float grad_score, float score, int b, int h,
+//                                                   int q_idx, int kv_idx, int q_len, int kv_len);
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in
@@ -178,8 +181,56 @@ __device__ __forceinline__ bool flexc_load_bool(const FlexcCapture& c, long long
   return __ldg(static_cast<const unsigned char*>(c.data) + o) != 0;
 }
 
-// Adds a capture gradient contribution (skipped when the caller passed no gradient buffer).
-__device__ __forceinline__ void flexc_grad_add(const FlexcCapture& c, long long o, float v) {
-  if (c.grad) atomicAdd(c.grad + o, v);
-}
+// The capture-gradient contributions of one thread; accumulate_capture_grads adds into it, load
+// k of N (the variant's kCaptureGradLoads). Consecutive contributions to one element add up in a
+// register, so a gradient that many elements share (slope[h]: one element per head) costs an
+// atomic only when the element changes instead of one per score, and flush_warp adds a warp's
+// equal elements together first. Contributions to a capture without a gradient buffer are dropped.
+template <int N>
+struct FlexcGradSink {
+  float* at[N];
+  float sum[N];
+
+  __device__ __forceinline__ FlexcGradSink() {
+    for (int k = 0; k < N; ++k) at[k] = nullptr, sum[k] = 0.f;
+  }
+  __device__ __forceinline__ void add(int k, const FlexcCapture& c, long long o, float v) {
+    if (!c.grad) return;
+    float* p = c.grad + o;
+    if (p != at[k]) {
+      if (at[k]) atomicAdd(at[k], sum[k]);
+      at[k] = p, sum[k] = 0.f;
+    }
+    sum[k] += v;
+  }
+  // Each thread by itself (any control flow).
+  __device__ __forceinline__ void flush_thread() {
+    for (int k = 0; k < N; ++k) {
+      if (at[k]) atomicAdd(at[k], sum[k]);
+      at[k] = nullptr, sum[k] = 0.f;
+    }
+  }
+  // All 32 lanes of the warp together: one atomic per distinct element of the warp.
+  __device__ __forceinline__ void flush_warp() {
+    const unsigned lane = threadIdx.x & 31;
+    for (int k = 0; k < N; ++k) {
+      for (unsigned left = __ballot_sync(0xffffffffu, at[k] != nullptr); left;) {
+        const int leader = __ffs(left) - 1;
+        const unsigned long long key = __shfl_sync(0xffffffffu, (unsigned long long)at[k], leader);
+        const bool mine = (unsigned long long)at[k] == key;
+        float v = mine ? sum[k] : 0.f;
+        for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
+        if (lane == (unsigned)leader) atomicAdd(at[k], v);
+        left &= ~__ballot_sync(0xffffffffu, mine);
+      }
+      at[k] = nullptr, sum[k] = 0.f;
+    }
+  }
+};
+template <>
+struct FlexcGradSink<0> {
+  __device__ __forceinline__ void add(int, const FlexcCapture&, long long, float) {}
+  __device__ __forceinline__ void flush_thread() {}
+  __device__ __forceinline__ void flush_warp() {}
+};
 #endif  // __CUDACC__

@@ -27,6 +27,8 @@ extern "C" __global__ void flexc_mods_eval(FlexcArgs a, int B, int H, int q0, in
     score_out[i] = FlexcVariant::score_mod(a, s, b, h, q, kv, q_len, kv_len);
     grad_out[i] = FlexcVariant::score_mod_grad(a, s, b, h, q, kv, q_len, kv_len);
     mask_out[i] = FlexcVariant::mask_mod(a, b, h, q, kv, q_len, kv_len) ? 1 : 0;
-    FlexcVariant::accumulate_capture_grads(a, grad_score, s, b, h, q, kv, q_len, kv_len);
+    FlexcGradSink<FlexcVariant::kCaptureGradLoads> grads;
+    FlexcVariant::accumulate_capture_grads(a, grads, grad_score, s, b, h, q, kv, q_len, kv_len);
+    grads.flush_thread();
   }
 }

@@ -38,6 +38,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 using flexc::testing::rng;
 
 using flexc::testing::normal;
+using flexc::testing::random_capture;
+using flexc::testing::SweepShape;
+using flexc::testing::sweep_shape;
 using flexc::testing::round16;
 
 // A problem on the host: q [B, Hq, Lq, D], k / v [B, Hkv, Lkv, D] with values exact in `dtype`.
@@ -589,36 +592,6 @@ TEST_CASE("the backward kernel builds for every variant; spills bounded", "[atte
 
 namespace {
 
-// Random contents for a declared capture: small ints (so that masks comparing them are true and
-// false), normal floats, random bools.
-npy::Array random_capture(const CaptureSpec& c, int64_t B, int64_t H, int64_t Lq, int64_t Lkv) {
-  npy::Array a;
-  a.dtype = parse_dtype(c.dtype);
-  for (const std::string& d : c.dims)
-    a.shape.push_back(d == "B" ? B : d == "H" ? H : d == "Q_LEN" ? Lq : d == "KV_LEN" ? Lkv
-                                                                          : std::stoll(d));
-  const int64_t n = a.numel();
-  a.bytes.resize(n * dtype_size(a.dtype));
-  std::uniform_int_distribution<int32_t> small(0, 3);
-  std::normal_distribution<float> nd(0.f, 0.5f);
-  for (int64_t i = 0; i < n; ++i) {
-    std::byte* at = a.bytes.data() + i * dtype_size(a.dtype);
-    if (a.dtype == DType::I32) {
-      const int32_t x = small(rng());
-      std::memcpy(at, &x, 4);
-    } else if (a.dtype == DType::F32) {
-      const float x = nd(rng());
-      std::memcpy(at, &x, 4);
-    } else if (a.dtype == DType::Bool) {
-      *at = std::byte(small(rng()) & 1);
-    } else {
-      const uint16_t x = a.dtype == DType::BF16 ? float_to_bf16(nd(rng())) : float_to_fp16(nd(rng()));
-      std::memcpy(at, &x, 2);
-    }
-  }
-  return a;
-}
-
 struct GpuCase {
   DType dtype = DType::BF16;
   int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64;
@@ -757,13 +730,8 @@ TEST_CASE("every catalogue variant matches the reference: dtypes, head dims, len
     const Variant v = Variant::from_catalogue(names[vi]);
     for (size_t i = 0; i < 7; ++i) {
       GpuCase c;
-      c.dtype = (i + vi) % 2 ? DType::F16 : DType::BF16;
-      c.D = (i / 2 + vi) % 2 ? 128 : 64;
-      c.Lq = lens[i];
-      c.Lkv = lens[(i + vi) % 7];  // equal lengths once per variant, unequal otherwise
-      c.Hkv = 2;
-      c.Hq = i % 2 ? 8 : 2;  // GQA 4 and 1
-      c.B = c.Lq * c.Lkv < 200000 ? 2 : 1;
+      const SweepShape s = sweep_shape(vi, i, lens);
+      c.dtype = s.dtype, c.B = s.B, c.Hq = s.Hq, c.Hkv = s.Hkv, c.Lq = s.Lq, c.Lkv = s.Lkv, c.D = s.D;
       c.bshd = i % 3 == 0;
       c.block_mask = i % 4 != 1;
       for (FwdKernel kernel : kernels_for(c.D)) {

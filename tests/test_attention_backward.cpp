@@ -1,6 +1,7 @@
 // Backward attention: argument validation and configurations (CI), and the kernel's gradients on
-// the GPU ([gpu]) against attention's gradient written out directly in float64, independent of
-// the DSL and of flexc's reference.
+// the GPU ([gpu]): against attention's gradient written out directly in float64 (independent of
+// the DSL and of flexc's reference), and, for every catalogue variant and score_mods with learnable
+// captures, against the float64 reference with the tolerance rule.
 #include <fmt/format.h>
 
 #include <catch2/catch.hpp>
@@ -13,6 +14,7 @@
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/error.h"
+#include "flexc/reference.h"
 #include "flexc/variant.h"
 #include "jit/driver.h"
 #include "test_random.h"
@@ -26,6 +28,9 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 using flexc::testing::normal;
+using flexc::testing::random_capture;
+using flexc::testing::SweepShape;
+using flexc::testing::sweep_shape;
 using flexc::testing::round16;
 
 // A score_mod written out: the modded score (or -inf where masked), its derivative, and for a
@@ -210,6 +215,112 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
     return;                     \
   }
 
+// ---- against the reference, with the tolerance rule
+
+struct BwdCase {
+  DType dtype = DType::BF16;
+  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64;
+  bool block_mask = true;  // build one (when the mask is not `true`)
+  bool broadcast = false;  // over B and H where the mask reads neither
+  bool deterministic = true;
+
+  std::string describe() const {
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}", dtype_name(dtype), B, Hq,
+                       Hkv, Lq, Lkv, D, block_mask ? "" : " dense", broadcast ? " broadcast" : "",
+                       deterministic ? " deterministic" : " atomic dq");
+  }
+};
+
+// Forward then backward on the GPU into poisoned dq / dk / dv (capture gradients start at 0),
+// checked against the reference given the forward's out and lse. Deterministic runs go twice
+// and must agree bitwise.
+BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
+  const std::vector<int64_t> qs{c.B, c.Hq, c.Lq, c.D}, ks{c.B, c.Hkv, c.Lkv, c.D};
+  const std::vector<float> q = normal(c.B * c.Hq * c.Lq * c.D, c.dtype),
+                           k = normal(c.B * c.Hkv * c.Lkv * c.D, c.dtype),
+                           v = normal(k.size(), c.dtype), dout = normal(q.size(), c.dtype);
+  const std::vector<float> nan(q.size(), std::numeric_limits<float>::quiet_NaN());
+  const std::vector<float> nan_kv(k.size(), std::numeric_limits<float>::quiet_NaN());
+  TensorView tq, tk, tv, tout, tdout, tdq, tdk, tdv;
+  const auto bq = upload16(c.dtype, q, qs, tq), bk = upload16(c.dtype, k, ks, tk),
+             bv = upload16(c.dtype, v, ks, tv), bout = upload16(c.dtype, nan, qs, tout),
+             bdout = upload16(c.dtype, dout, qs, tdout), bdq = upload16(c.dtype, nan, qs, tdq),
+             bdk = upload16(c.dtype, nan_kv, ks, tdk), bdv = upload16(c.dtype, nan_kv, ks, tdv);
+  jit::DeviceBuffer blse(std::max<int64_t>(c.B * c.Hq * c.Lq, 4) * 4);
+  const TensorView tlse{blse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
+
+  ReferenceBackwardProblem rp;
+  ReferenceProblem& fp = rp.forward;
+  fp.q = q, fp.k = k, fp.v = v;
+  fp.batch = c.B, fp.q_heads = c.Hq, fp.kv_heads = c.Hkv, fp.q_len = c.Lq, fp.kv_len = c.Lkv;
+  fp.head_dim = c.D, fp.dtype = c.dtype;
+  AttentionOptions fo;
+  AttentionGrads grads{tdq, tdk, tdv, {}};
+  std::vector<npy::Array> caps;
+  std::vector<jit::DeviceBuffer> dcaps, dgrads;
+  caps.reserve(variant.captures().size());
+  BlockMaskOptions bmo;
+  for (const CaptureSpec& cs : variant.captures()) {
+    caps.push_back(random_capture(cs, c.B, c.Hq, c.Lq, c.Lkv));
+    const npy::Array& a = caps.back();
+    dcaps.emplace_back(std::max<size_t>(a.bytes.size(), 16));
+    dcaps.back().upload(a.bytes.data(), a.bytes.size());
+    fo.captures[cs.name] = TensorView{dcaps.back().get(), a.dtype, a.shape, {}};
+    fp.captures[cs.name] = a.view();
+    bmo.captures[cs.name] = CaptureData{a.bytes.data(), dcaps.back().get(), a.shape, {}};
+    if (a.dtype == DType::F32) {
+      dgrads.emplace_back(std::max<size_t>(a.bytes.size(), 16));
+      dgrads.back().fill(0);
+      grads.captures[cs.name] = TensorView{dgrads.back().get(), DType::F32, a.shape, {}};
+    }
+  }
+  std::optional<BlockMask> bm;
+  if (c.block_mask && !variant.mask_always_true()) {
+    const ModDeps deps = variant.mask_deps();
+    const bool bb = c.broadcast && !deps.b, bh = c.broadcast && !deps.h;
+    bm = create_block_mask(variant, bb ? 1 : c.B, bh ? 1 : c.Hq, c.Lq, c.Lkv, bmo);
+  }
+  fo.block_mask = bm ? &*bm : nullptr;
+  fo.lse = tlse;
+  attention(tq, tk, tv, tout, variant, fo);
+  BackwardOptions bo;
+  bo.block_mask = fo.block_mask;
+  bo.captures = fo.captures;
+  bo.deterministic = c.deterministic;
+  attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
+  if (c.deterministic) {
+    TensorView tdq2, tdk2, tdv2;
+    const auto bdq2 = upload16(c.dtype, nan, qs, tdq2), bdk2 = upload16(c.dtype, nan_kv, ks, tdk2),
+               bdv2 = upload16(c.dtype, nan_kv, ks, tdv2);
+    AttentionGrads again{tdq2, tdk2, tdv2, {}};
+    attention_backward(tq, tk, tv, tout, tlse, tdout, again, variant, bo);
+    jit::synchronize_device();
+    CHECK(bdq.to_vector<uint16_t>(q.size()) == bdq2.to_vector<uint16_t>(q.size()));
+    CHECK(bdk.to_vector<uint16_t>(k.size()) == bdk2.to_vector<uint16_t>(k.size()));
+    CHECK(bdv.to_vector<uint16_t>(k.size()) == bdv2.to_vector<uint16_t>(k.size()));
+  }
+  jit::synchronize_device();
+
+  const std::vector<float> out = download16(c.dtype, bout, q.size());
+  const std::vector<float> lse = blse.to_vector<float>(c.B * c.Hq * c.Lq);
+  rp.dout = dout, rp.out = out, rp.lse = lse;
+  const ReferenceBackward r = reference_attention_backward(variant, rp);
+  std::map<std::string, std::vector<float>, std::less<>> cap_grads;
+  std::map<std::string, std::span<const float>, std::less<>> checked;
+  size_t gi = 0;
+  for (const npy::Array& a : caps) {
+    if (a.dtype != DType::F32) continue;
+    const std::string& name = variant.captures()[&a - caps.data()].name;
+    cap_grads[name] = dgrads[gi++].to_vector<float>(a.numel());
+    if (r.captures.contains(name))
+      checked[name] = cap_grads[name];
+    else  // read only where it has no derivative: nothing added
+      CHECK(std::all_of(cap_grads[name].begin(), cap_grads[name].end(), [](float x) { return x == 0; }));
+  }
+  return check_gradients(r, download16(c.dtype, bdq, q.size()), download16(c.dtype, bdk, k.size()),
+                         download16(c.dtype, bdv, k.size()), checked);
+}
+
 Mod plain() {
   return {[](double x, auto...) { return x; }, [](double, auto...) { return 1.0; }};
 }
@@ -307,5 +418,57 @@ TEST_CASE("backward: fully masked rows and -inf from score_mod give 0, never NaN
       check_case(late, late_mod, s, dt, false, nullptr, true);
       check_case(holes, holes_mod, s, dt, false);
       check_case(holes, holes_mod, s, dt, true, nullptr, true);
+    }
+}
+
+TEST_CASE("backward: every catalogue variant against the reference, lengths, GQA, broadcasts",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const int64_t lens[] = {1, 17, 127, 128, 129, 1000};
+  const std::vector<std::string> names = Variant::catalogue_names();
+  REQUIRE(names.size() >= 10);
+  for (size_t vi = 0; vi < names.size(); ++vi) {
+    const Variant v = Variant::from_catalogue(names[vi]);
+    for (size_t i = 0; i < 6; ++i) {
+      BwdCase c;
+      const SweepShape s = sweep_shape(vi, i, lens);
+      c.dtype = s.dtype, c.B = s.B, c.Hq = s.Hq, c.Hkv = s.Hkv, c.Lq = s.Lq, c.Lkv = s.Lkv, c.D = s.D;
+      c.block_mask = i % 4 != 1;
+      c.broadcast = i % 2 == 0;
+      c.deterministic = i % 3 != 2;
+      INFO(names[vi] << ": " << c.describe());
+      const BackwardAccuracy a = run_backward_case(v, c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
+  }
+}
+
+TEST_CASE("backward: derivatives other than 1 and learnable biases against the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const std::vector<CaptureSpec> table{{"bias", "float32", {"H", "64"}}};
+  const std::vector<CaptureSpec> full{{"bias", "float32", {"B", "H", "Q_LEN", "KV_LEN"}}};
+  const std::vector<CaptureSpec> gain_bias{{"gain", "float32", {"H"}}, {"bias", "float32", {"H", "3"}}};
+  const Variant variants[] = {
+      Variant::from_strings("score * score / 8.0", "kv_idx <= q_idx", {}, {}, "square"),
+      Variant::from_strings("score > 0 ? score : score * 0.5", "true", {}, {}, "leaky"),
+      Variant::from_strings("score + bias[h, clamp(kv_idx - q_idx, -32, 31) + 32]", "true", table,
+                            {}, "relative_table"),
+      Variant::from_strings("score + bias[b, h, q_idx, kv_idx]", "true", full, {}, "full_bias"),
+      Variant::from_strings("score * gain[h] + bias[h, kv_idx % 3] * bias[h, q_idx % 3]",
+                            "kv_idx <= q_idx + 50", gain_bias, {}, "two_loads"),
+  };
+  const BwdCase shapes[] = {
+      {DType::BF16, 2, 4, 2, 17, 129, 64, true, false, true},
+      {DType::F16, 1, 8, 2, 200, 77, 128, true, true, false},
+      {DType::BF16, 1, 2, 1, 1000, 1000, 128, false, false, true},
+      {DType::F16, 2, 2, 2, 129, 300, 64, true, false, true},
+  };
+  for (const Variant& v : variants)
+    for (const BwdCase& c : shapes) {
+      INFO(v.name() << ": " << c.describe());
+      const BackwardAccuracy a = run_backward_case(v, c);
+      INFO(a.summary());
+      CHECK(a.pass);
     }
 }

@@ -107,3 +107,18 @@ TEST_CASE("a description is printed with its control characters escaped", "[cli]
   CHECK(r.output.find("x: red \\x1b[31mALERT\\x1b[0m\\nline2 é\n") != std::string::npos);
   CHECK(r.output.find('\x1b') == std::string::npos);
 }
+
+TEST_CASE("backward options of flexc run are checked before the GPU is needed", "[cli]") {
+  refused("run @noop --random 1,2,2,16,16,64 --dq /tmp/dq.npy", "--dq needs --backward");
+  refused("run @noop --random 1,2,2,16,16,64 --dout /tmp/dout.npy", "--dout needs --backward");
+  refused("run @noop --random 1,2,2,16,16,64 --atomic-dq", "--atomic-dq needs --backward");
+  refused("run @alibi --random 1,2,2,16,16,64 --backward --capture-grad slope=/tmp/g.npy",
+          "--capture-grad slope: pass the capture too (--capture slope=FILE.npy)");
+  refused("run @alibi --random 1,2,2,16,16,64 --backward --capture-grad bias=/tmp/g.npy",
+          "--capture-grad bias: 'alibi' declares no such capture");
+  refused("run @document --random 1,2,2,16,16,64 --backward --capture-grad doc=/tmp/g.npy",
+          "--capture-grad doc: the capture is int32, which has no gradient");
+  refused("run @alibi --random 1,2,2,16,16,64 --backward --capture-grad slope=/tmp/a.npy "
+          "--capture-grad slope=/tmp/b.npy",
+          "--capture-grad slope given twice");
+}

@@ -73,7 +73,8 @@ TEST_CASE("emitted facts follow the mods", "[emit]") {
   CHECK(has(rich, "kMaskReadsH = true;"));
   CHECK(has(rich, "kScoreGradIsOne = false;"));
   CHECK(has(rich, "kHasCaptureGrads = true;"));
-  CHECK(has(rich, "flexc_grad_add(a.captures[0], "));
+  CHECK(has(rich, "grads.add(0, a.captures[0], "));
+  CHECK(has(rich, "kCaptureGradLoads = 1;"));
 
   // Reading a capture only through a comparison gives it no gradient.
   const std::string cmp = emit(parse("score + (bias[h, 0] > 0.0 ? 1.0 : 0.0)", "b == 0", d));
@@ -203,6 +204,12 @@ inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
 inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
 template <class T> T __ldg(const T* p) { return *p; }
 inline void atomicAdd(float* p, float v) { *p += v; }
+// One thread is a warp of one lane (FlexcGradSink::flush_warp compiles; the test uses flush_thread).
+struct { unsigned x = 0; } threadIdx;
+inline unsigned __ballot_sync(unsigned, bool p) { return p; }
+template <class T> T __shfl_sync(unsigned, T v, int) { return v; }
+template <class T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
+inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 )";
 
 // A declaration set covering every dtype but fp16 (its load is inline PTX: GPU test only), ranks
@@ -387,8 +394,10 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
         "p.q_len, p.kv_len);\n"
         "    const bool m = v{0}::FlexcVariant::mask_mod(a, p.b, p.h, p.q, p.kv, p.q_len, "
         "p.kv_len);\n"
-        "    v{0}::FlexcVariant::accumulate_capture_grads(a, 0.5f, s, p.b, p.h, p.q, p.kv, "
+        "    FlexcGradSink<v{0}::FlexcVariant::kCaptureGradLoads> grads;\n"
+        "    v{0}::FlexcVariant::accumulate_capture_grads(a, grads, 0.5f, s, p.b, p.h, p.q, p.kv, "
         "p.q_len, p.kv_len);\n"
+        "    grads.flush_thread();\n"
         "    std::printf(\"%08x %08x %d\\n\", std::bit_cast<unsigned>(r), "
         "std::bit_cast<unsigned>(g), (int)m);\n"
         "  }}\n",

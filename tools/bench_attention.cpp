@@ -1,7 +1,9 @@
 // bench_attention: forward (or, with --backward, backward) attention TFLOP/s on the anchors' shapes (../shared/anchors.md):
 // 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for noop and causal; the
 // catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and document (six equal
-// documents) at S = 16k, B = 1, H = 16, D = 128.
+// documents) at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable biases, each with and
+// without its gradient: alibi / alibi_dslope, rel_bias / rel_bias_dbias (a [H, 256] table indexed
+// by the clamped relative position).
 //
 //   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward
 //                   [--atomic-dq]] [--json]
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fmt/format.h>
+#include <map>
 #include <optional>
 #include <random>
 #include <thread>
@@ -40,13 +43,20 @@ struct Case {
   int64_t s, d;
 };
 
-std::vector<Case> all_cases() {
+// Backward only: a learnable bias with and without its gradient (the bias-gradient overhead).
+constexpr const char* kRelBias = "score + bias[h, clamp(kv_idx - q_idx, -128, 127) + 128]";
+const std::vector<CaptureSpec> kRelBiasCaptures{{"bias", "float32", {"H", "256"}}};
+
+std::vector<Case> all_cases(bool backward) {
   std::vector<Case> cases;
   for (int64_t d : {64, 128})
     for (int64_t s : {1024, 4096, 16384})
       for (const char* name : {"noop", "causal"}) cases.push_back({name, s, d});
   for (const char* name : {"alibi", "softcap", "sliding_window", "prefix_lm", "document"})
     cases.push_back({name, 16384, 128});
+  if (backward)
+    for (const char* name : {"alibi_dslope", "rel_bias", "rel_bias_dbias"})
+      cases.push_back({name, 16384, 128});
   return cases;
 }
 
@@ -132,10 +142,13 @@ int main(int argc, char** argv) {
     if (backward) kernels = {FwdKernel::Auto};  // one backward kernel; the forward is not timed
     fmt::print("| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
                "|---|---|---|---|---|---|---|---|---|\n");
-    for (const Case& c : all_cases()) {
+    for (const Case& c : all_cases(backward)) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       const int64_t B = kTokens / c.s, H = kHidden / c.d, n = B * H * c.s * c.d;
-      const Variant v = Variant::from_catalogue(c.name);
+      const bool rel_bias = c.name.starts_with("rel_bias");
+      const Variant v = rel_bias ? Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias")
+                                 : Variant::from_catalogue(c.name == "alibi_dslope" ? "alibi" : c.name);
+      const bool learn = c.name.ends_with("_dslope") || c.name.ends_with("_dbias");
       // q, k, v, and dout for the backward; then out, dq, dk, dv.
       std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());
       jit::DeviceBuffer buf(host.size() * 2);
@@ -157,11 +170,26 @@ int main(int argc, char** argv) {
       std::vector<int32_t> doc;
       std::optional<jit::DeviceBuffer> cap;
       std::vector<dsl::HostTensor> host_caps;
-      if (c.name == "alibi") {
+      if (c.name.starts_with("alibi")) {
         for (int64_t h = 0; h < H; ++h) slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
         cap.emplace(slope.size() * 4);
         cap->upload(slope.data(), slope.size() * 4);
         opts.captures["slope"] = TensorView{cap->get(), DType::F32, {H}, {}};
+      }
+      if (rel_bias) {
+        for (int64_t i = 0; i < H * 256; ++i) slope.push_back(0.01f * float(i % 97) - 0.5f);
+        cap.emplace(slope.size() * 4);
+        cap->upload(slope.data(), slope.size() * 4);
+        opts.captures["bias"] = TensorView{cap->get(), DType::F32, {H, 256}, {}};
+      }
+      // The learnable capture's gradient (the kernel adds into it over the repetitions).
+      std::optional<jit::DeviceBuffer> cap_grad;
+      std::map<std::string, TensorView, std::less<>> cap_grads;
+      if (learn) {
+        const auto& [name, view] = *opts.captures.begin();
+        cap_grad.emplace(slope.size() * 4);
+        cap_grad->fill(0);
+        cap_grads[name] = TensorView{cap_grad->get(), DType::F32, view.shape, {}};
       }
       if (c.name == "document") {  // six documents, boundaries at round(i * S / 6)
         std::vector<int64_t> starts;
@@ -198,7 +226,7 @@ int main(int argc, char** argv) {
           t.start(stream.get());
           if (backward)
             attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),
-                               {grad(0), grad(1), grad(2), {}}, v, bopts);
+                               {grad(0), grad(1), grad(2), cap_grads}, v, bopts);
           else
             attention(at(0), at(1), at(2), out_view, v, opts);
           t.stop(stream.get());

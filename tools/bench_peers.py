@@ -42,23 +42,32 @@ def doc_ids(s, device):
 
 
 def make_case(name, s, h, device):
-    """(score_mod, mask_mod) for flex_attention; None where the case has none."""
+    """(score_mod, mask_mod, learnable) for flex_attention; None where the case has none;
+    learnable: the captured tensors whose gradient the backward computes."""
     if name == "noop":
-        return None, None
+        return None, None, ()
     if name == "causal":
-        return None, lambda b, hh, q, kv: q >= kv
-    if name == "alibi":
+        return None, lambda b, hh, q, kv: q >= kv, ()
+    if name.startswith("alibi"):
         slope = torch.exp2(-8.0 * torch.arange(1, h + 1, device=device) / h)
-        return (lambda sc, b, hh, q, kv: sc + slope[hh] * (kv - q)), None
+        slope.requires_grad_(name == "alibi_dslope")
+        return (lambda sc, b, hh, q, kv: sc + slope[hh] * (kv - q)), None, \
+            (slope,) if slope.requires_grad else ()
+    if name.startswith("rel_bias"):
+        # bench_attention's table: bias[h, clamp(kv - q, -128, 127) + 128]
+        bias = (0.01 * (torch.arange(h * 256, device=device) % 97) - 0.5).view(h, 256).float()
+        bias.requires_grad_(name == "rel_bias_dbias")
+        return (lambda sc, b, hh, q, kv: sc + bias[hh, torch.clamp(kv - q, -128, 127) + 128]), \
+            None, (bias,) if bias.requires_grad else ()
     if name == "softcap":
-        return (lambda sc, b, hh, q, kv: CAP * torch.tanh(sc / CAP)), None
+        return (lambda sc, b, hh, q, kv: CAP * torch.tanh(sc / CAP)), None, ()
     if name == "sliding_window":
-        return None, lambda b, hh, q, kv: (q >= kv) & (q - kv < WINDOW)
+        return None, lambda b, hh, q, kv: (q >= kv) & (q - kv < WINDOW), ()
     if name == "prefix_lm":
-        return None, lambda b, hh, q, kv: (kv < PREFIX) | (q >= kv)
+        return None, lambda b, hh, q, kv: (kv < PREFIX) | (q >= kv), ()
     if name == "document":
         doc = doc_ids(s, device)
-        return None, lambda b, hh, q, kv: doc[q] == doc[kv]
+        return None, lambda b, hh, q, kv: doc[q] == doc[kv], ()
     raise ValueError(name)
 
 
@@ -89,13 +98,16 @@ def time_ms(fn, reps):
     return times[len(times) // 2]
 
 
-def cases():
+def cases(backward):
     for d in (64, 128):
         for s in (1024, 4096, 16384):
             for name in ("noop", "causal"):
                 yield name, s, d
     for name in ("alibi", "softcap", "sliding_window", "prefix_lm", "document"):
         yield name, 16384, 128
+    if backward:  # learnable biases, with and without their gradient
+        for name in ("alibi_dslope", "rel_bias", "rel_bias_dbias"):
+            yield name, 16384, 128
 
 
 def timed(fn, backward, inputs, reps):
@@ -114,13 +126,13 @@ def run_peers(reps, only, backward):
     torch._dynamo.config.recompile_limit = 256
     flex = torch.compile(flex_attention, dynamic=False)
     results = {}
-    for name, s, d in cases():
+    for name, s, d in cases(backward):
         if only and name not in only:
             continue
         b, h = TOKENS // s, HIDDEN // d
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16,
                                requires_grad=backward) for _ in range(3))
-        score_mod, mask_mod = make_case(name, s, h, device)
+        score_mod, mask_mod, learnable = make_case(name, s, h, device)
         dens = density(mask_mod, s, device)
         flops = (2.5 if backward else 1.0) * 4.0 * b * h * s * s * d * dens
         row = {"density": dens}
@@ -135,7 +147,7 @@ def run_peers(reps, only, backward):
                     print(f"# {label} {name} S={s} D={d}: {str(e).splitlines()[0]}", file=sys.stderr)
         bm = create_block_mask(mask_mod, None, None, s, s, device=device) if mask_mod else None
         row["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm), backward,
-                            (q, k, v), reps)
+                            (q, k, v) + tuple(learnable), reps)
         row["tflops"] = {k2: flops / t * 1e-9 for k2, t in row.items() if k2 not in ("density",)}
         results[(name, s, d)] = row
         print(f"# {name:15s} S={s:5d} D={d:3d} density {dens:.4f} " +

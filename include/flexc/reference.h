@@ -58,4 +58,65 @@ struct Accuracy {
 Accuracy check_accuracy(const ReferenceResult& r, std::span<const float> out,
                         std::span<const float> lse);
 
+// ---- The backward pass (flexc::attention_backward)
+//
+// `gold` is the float64 gradient of sum(out * dout) + sum(lse * dlse) through FlexAttention's
+// backward math: delta = rowsum(dout * out) - dlse, P = exp(score_mod(s) - lse), dS = P (dP -
+// delta) d score_mod / d score, dq = scale dS k, dk = scale dS^T q, dv = P^T dout, and each float
+// capture's gradient sum P (dP - delta) d score_mod / d element. `ref` is the same with the
+// kernels' rounding points: scores and score_mod in float32, P and dS in float32 and rounded to
+// the kernel's dtype before their products, dq / dk / dv rounded to it, capture gradients to
+// float32.
+
+struct ReferenceBackwardProblem {
+  ReferenceProblem forward;  // q, k, v, sizes, scale, captures, params, dtype (`rows` unused)
+  std::span<const float> dout;  // q's shape
+  std::span<const float> dlse;  // [B, Hq, Q_LEN], or empty: the loss does not read the LSE
+  // The forward's output and LSE as the backward receives them (q's shape; [B, Hq, Q_LEN]): gold
+  // and ref both start from them, so a kernel is measured on its backward alone. Empty: the
+  // reference forward's (gold from gold, ref from ref), which makes gold the exact gradient.
+  std::span<const float> out, lse;
+};
+
+// One gradient tensor, contiguous in its tensor's shape. `magnitude` is, per element, the sum of
+// its terms with every factor and every difference taken in absolute value (|dP| + |delta| for
+// dP - delta): float32 arithmetic cannot promise better than a few units of 2^-24 of it, which
+// sets the rule's floor where both errors are at that level (a row with one unmasked element has
+// dP = delta exactly and a gradient of rounding noise). It is 0 only where no element contributes.
+struct ReferenceGradient {
+  std::vector<double> gold, ref, magnitude;
+};
+
+struct ReferenceBackward {
+  ReferenceGradient dq, dk, dv;
+  // Every float capture that the score_mod reads differentiably, by name (its declared shape).
+  std::map<std::string, ReferenceGradient, std::less<>> captures;
+};
+
+// Throws flexc::Error for inconsistent sizes, captures or params. Multi-threaded.
+ReferenceBackward reference_attention_backward(const Variant& v, const ReferenceBackwardProblem& p);
+
+struct GradientAccuracy {
+  std::string name;            // "dq", "dk", "dv", or a capture's name
+  double rmse = 0, ref_rmse = 0;  // rmse(kernel, gold), rmse(ref, gold)
+  double floor = 0;            // 2^-16 times the rms of `magnitude`
+  int64_t bad = 0;  // non-finite values; nonzero values where no element contributes (masked rows)
+  bool pass = false;
+};
+
+struct BackwardAccuracy {
+  std::vector<GradientAccuracy> grads;
+  bool pass = false;
+  // "dq rmse 1.2e-03 (ref 1.1e-03), dk ..., 0 bad: PASS"
+  std::string summary() const;
+};
+
+// The tolerance rule for each gradient: rmse(kernel, gold) <= 1.5 rmse(ref, gold) + floor + 1e-6
+// and no bad values. `dq`, `dk`, `dv`: the kernel's, contiguous; `captures`: the kernel's capture
+// gradients, one per capture of r.captures (a missing or extra one is an error).
+BackwardAccuracy check_gradients(const ReferenceBackward& r, std::span<const float> dq,
+                                 std::span<const float> dk, std::span<const float> dv,
+                                 const std::map<std::string, std::span<const float>, std::less<>>&
+                                     captures = {});
+
 }  // namespace flexc

@@ -1,8 +1,9 @@
 // `flexc run CONFIG.json --q q.npy --k k.npy --v v.npy [--capture NAME=FILE.npy] [--param
-// NAME=VALUE] [--dtype bf16|fp16] [--out o.npy] [--lse lse.npy] [--check]`: forward attention of a
-// variant on the GPU, end to end, from and to .npy files (or --random inputs); --check compares
-// with the float64 CPU reference under the tolerance rule (docs/attention.md) and exits 1 on
-// failure.
+// NAME=VALUE] [--dtype bf16|fp16] [--out o.npy] [--lse lse.npy] [--check] [--backward [--dout
+// dout.npy] [--dq dq.npy] [--dk dk.npy] [--dv dv.npy] [--capture-grad NAME=FILE.npy]]`: forward
+// (and backward) attention of a variant on the GPU, end to end, from and to .npy files (or
+// --random inputs); --check compares with the float64 CPU reference under the tolerance rule
+// (docs/attention.md) and exits 1 on failure.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -31,6 +32,9 @@ namespace {
 struct Options {
   std::string config, q, k, v, out, lse, random, dtype = "bf16";
   std::vector<std::string> captures, params;  // NAME=VALUE
+  bool backward = false, atomic_dq = false;
+  std::string dout, dq, dk, dv;
+  std::vector<std::string> capture_grads;  // NAME=FILE
   std::optional<double> scale;
   uint64_t seed = std::random_device{}();
   bool check = false, dense = false;
@@ -92,6 +96,18 @@ Input random_input(std::vector<int64_t> shape, std::mt19937_64& rng, DType dtype
   return encode(std::move(shape), std::move(v), dtype);
 }
 
+// --check --backward computes every gradient in float64 on the CPU: B * HQ * Q_LEN * KV_LEN
+// score elements, each of D multiply-adds several times over. Past this it would take minutes.
+constexpr int64_t kMaxBackwardCheckElements = int64_t{1} << 26;
+
+std::vector<float> decode(const jit::DeviceBuffer& b, size_t n, DType dtype) {
+  const std::vector<uint16_t> bits = b.to_vector<uint16_t>(n);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i)
+    out[i] = dtype == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
+  return out;
+}
+
 jit::DeviceBuffer upload(const void* data, size_t bytes) {
   jit::DeviceBuffer b(std::max<size_t>(bytes, 16));
   b.upload(data, bytes);
@@ -105,6 +121,26 @@ void run(const Options& o) {
   const DType dtype = parse_dtype(o.dtype);
   const std::map<std::string, std::string> captures = assignments(o.captures, "--capture");
   const std::map<std::string, std::string> params = assignments(o.params, "--param");
+  const std::map<std::string, std::string> capture_grads =
+      assignments(o.capture_grads, "--capture-grad");
+  if (!o.backward)
+    for (const auto& [flag, value] : {std::pair{"--dout", &o.dout}, {"--dq", &o.dq},
+                                      {"--dk", &o.dk}, {"--dv", &o.dv}})
+      if (!value->empty()) throw Error(fmt::format("{} needs --backward", flag));
+  if (!o.backward && (!capture_grads.empty() || o.atomic_dq))
+    throw Error(fmt::format("{} needs --backward", o.atomic_dq ? "--atomic-dq" : "--capture-grad"));
+  for (const auto& [name, file] : capture_grads) {
+    auto spec = std::find_if(variant.captures().begin(), variant.captures().end(),
+                             [&](const CaptureSpec& c) { return c.name == name; });
+    if (spec == variant.captures().end())
+      throw Error(fmt::format("--capture-grad {}: '{}' declares no such capture", name, variant.name()));
+    if (spec->dtype != "float32")
+      throw Error(fmt::format("--capture-grad {}: the capture is {}, which has no gradient", name,
+                              spec->dtype));
+    if (!captures.contains(name))
+      throw Error(fmt::format("--capture-grad {}: pass the capture too (--capture {}=FILE.npy)",
+                              name, name));
+  }
   std::vector<int64_t> sizes;
   if (!o.random.empty()) sizes = parse_sizes(o.random);
   if (!jit::gpu_available())
@@ -158,17 +194,17 @@ void run(const Options& o) {
   opts.scale = o.scale;
   opts.kernel = kernel;
 
-  jit::DeviceBuffer dq = upload(q.bits.data(), q.bits.size() * 2);
-  jit::DeviceBuffer dk = upload(k.bits.data(), k.bits.size() * 2);
-  jit::DeviceBuffer dv = upload(v.bits.data(), v.bits.size() * 2);
-  jit::DeviceBuffer dout(std::max<size_t>(q.bits.size() * 2, 16));
-  jit::DeviceBuffer dlse(std::max<size_t>(B * Hq * Lq * 4, 16));
-  dout.fill(0xff);  // NaN: an element the kernel missed cannot pass for a result
-  dlse.fill(0xff);
+  jit::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
+  jit::DeviceBuffer k_dev = upload(k.bits.data(), k.bits.size() * 2);
+  jit::DeviceBuffer v_dev = upload(v.bits.data(), v.bits.size() * 2);
+  jit::DeviceBuffer out_dev(std::max<size_t>(q.bits.size() * 2, 16));
+  jit::DeviceBuffer lse_dev(std::max<size_t>(B * Hq * Lq * 4, 16));
+  out_dev.fill(0xff);  // NaN: an element the kernel missed cannot pass for a result
+  lse_dev.fill(0xff);
   const auto view = [&](const jit::DeviceBuffer& b, const Input& in) {
     return TensorView{b.get(), dtype, in.shape, {}};
   };
-  opts.lse = TensorView{dlse.get(), DType::F32, {B, Hq, Lq}, {}};
+  opts.lse = TensorView{lse_dev.get(), DType::F32, {B, Hq, Lq}, {}};
 
   const auto t0 = std::chrono::steady_clock::now();
   std::optional<BlockMask> bm;
@@ -176,21 +212,21 @@ void run(const Options& o) {
     bm = create_block_mask(variant, B, Hq, Lq, Lkv, bmo);
     opts.block_mask = &*bm;
   }
-  attention(view(dq, q), view(dk, k), view(dv, v), view(dout, q), variant, opts);
+  attention(view(q_dev, q), view(k_dev, k), view(v_dev, v), view(out_dev, q), variant, opts);
   jit::synchronize_device();
   const double first_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   jit::EventTimer timer;  // a second, warm launch: the kernel's own time
   timer.start(opts.stream);
-  attention(view(dq, q), view(dk, k), view(dv, v), view(dout, q), variant, opts);
+  attention(view(q_dev, q), view(k_dev, k), view(v_dev, v), view(out_dev, q), variant, opts);
   timer.stop(opts.stream);
   const double kernel_ms = timer.elapsed_ms();
 
-  std::vector<uint16_t> out_bits = dout.to_vector<uint16_t>(q.bits.size());
+  std::vector<uint16_t> out_bits = out_dev.to_vector<uint16_t>(q.bits.size());
   std::vector<float> out(out_bits.size());
   for (size_t i = 0; i < out.size(); ++i)
     out[i] = dtype == DType::BF16 ? bf16_to_float(out_bits[i]) : fp16_to_float(out_bits[i]);
-  const std::vector<float> lse = dlse.to_vector<float>(B * Hq * Lq);
+  const std::vector<float> lse = lse_dev.to_vector<float>(B * Hq * Lq);
   if (!o.out.empty()) npy::write(o.out, npy::from_float(q.shape, out));
   if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, lse));
   fmt::print("{} {}: B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}: first call {:.1f} ms (build, "
@@ -198,26 +234,100 @@ void run(const Options& o) {
              variant.name(), o.dtype, B, Hq, Hkv, Lq, Lkv, D,
              bm ? fmt::format(", BlockMask sparsity {:.1f}%", bm->sparsity()) : "", first_ms,
              kernel_ms);
-  if (!o.check) return;
-
   ref.q = q.values, ref.k = k.values, ref.v = v.values;
   ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
   ref.head_dim = D, ref.scale = o.scale, ref.params = opts.params, ref.dtype = dtype;
-  const int64_t rows = B * Hq * Lq;
-  if (rows > o.check_rows) {  // a random sample of rows, sorted
-    std::uniform_int_distribution<int64_t> pick(0, rows - 1);
-    for (int64_t i = 0; i < o.check_rows; ++i) ref.rows.push_back(pick(rng));
-    std::sort(ref.rows.begin(), ref.rows.end());
-    ref.rows.erase(std::unique(ref.rows.begin(), ref.rows.end()), ref.rows.end());
+  if (o.check) {
+    const int64_t rows = B * Hq * Lq;
+    ReferenceProblem sample = ref;
+    if (rows > o.check_rows) {  // a random sample of rows, sorted
+      std::uniform_int_distribution<int64_t> pick(0, rows - 1);
+      for (int64_t i = 0; i < o.check_rows; ++i) sample.rows.push_back(pick(rng));
+      std::sort(sample.rows.begin(), sample.rows.end());
+      sample.rows.erase(std::unique(sample.rows.begin(), sample.rows.end()), sample.rows.end());
+    }
+    const ReferenceResult r = reference_attention(variant, sample);
+    std::vector<float> out_rows, lse_rows;
+    for (int64_t row : r.rows) {
+      out_rows.insert(out_rows.end(), out.begin() + row * D, out.begin() + (row + 1) * D);
+      lse_rows.push_back(lse[row]);
+    }
+    const Accuracy acc = check_accuracy(r, out_rows, lse_rows);
+    fmt::print("check ({} of {} rows, seed {}): {}\n", r.rows.size(), rows, o.seed, acc.summary());
+    if (!acc.pass) throw CLI::RuntimeError(1);
   }
-  const ReferenceResult r = reference_attention(variant, ref);
-  std::vector<float> out_rows, lse_rows;
-  for (int64_t row : r.rows) {
-    out_rows.insert(out_rows.end(), out.begin() + row * D, out.begin() + (row + 1) * D);
-    lse_rows.push_back(lse[row]);
+  if (!o.backward) return;
+
+  // ---- backward: dout read or generated, gradients into poisoned buffers (capture gradients
+  // start at 0: the kernel adds into them)
+  const Input dout_in = o.dout.empty() ? random_input(q.shape, rng, dtype) : read_input(o.dout, "dout", dtype);
+  if (dout_in.shape != q.shape)
+    throw Error(fmt::format("--dout {}: shape [{}] must be q's [{}]", o.dout,
+                            fmt::join(dout_in.shape, ", "), fmt::join(q.shape, ", ")));
+  jit::DeviceBuffer dout_dev = upload(dout_in.bits.data(), dout_in.bits.size() * 2);
+  jit::DeviceBuffer dq_dev(std::max<size_t>(q.bits.size() * 2, 16)), dk_dev(std::max<size_t>(k.bits.size() * 2, 16)),
+      dv_dev(std::max<size_t>(v.bits.size() * 2, 16));
+  for (jit::DeviceBuffer* g : {&dq_dev, &dk_dev, &dv_dev}) g->fill(0xff);
+  AttentionGrads grads{view(dq_dev, q), view(dk_dev, k), view(dv_dev, v), {}};
+  std::vector<jit::DeviceBuffer> dev_grads;
+  std::vector<std::string> grad_names;
+  dev_grads.reserve(host_caps.size());
+  for (const npy::Array& a : host_caps) {
+    if (a.dtype != DType::F32) continue;
+    const std::string& name = std::next(captures.begin(), &a - host_caps.data())->first;
+    dev_grads.emplace_back(std::max<size_t>(a.bytes.size(), 16));
+    grads.captures[name] = TensorView{dev_grads.back().get(), DType::F32, a.shape, {}};
+    grad_names.push_back(name);
   }
-  const Accuracy acc = check_accuracy(r, out_rows, lse_rows);
-  fmt::print("check ({} of {} rows, seed {}): {}\n", r.rows.size(), rows, o.seed, acc.summary());
+  BackwardOptions bo;
+  bo.block_mask = opts.block_mask;
+  bo.captures = opts.captures;
+  bo.params = opts.params;
+  bo.scale = o.scale;
+  bo.deterministic = !o.atomic_dq;
+  const TensorView out_view = view(out_dev, q), dout_view = view(dout_dev, q);
+  // Twice, each from zeroed capture gradients: the first compiles, the second is timed.
+  double bwd_first_ms = 0, bwd_ms = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (jit::DeviceBuffer& g : dev_grads) g.fill(0);
+    jit::synchronize_device();
+    const auto b0 = std::chrono::steady_clock::now();
+    jit::EventTimer bt;
+    bt.start(bo.stream);
+    attention_backward(view(q_dev, q), view(k_dev, k), view(v_dev, v), out_view, *opts.lse, dout_view,
+                       grads, variant, bo);
+    bt.stop(bo.stream);
+    jit::synchronize_device();
+    (pass == 0 ? bwd_first_ms : bwd_ms) =
+        pass == 0 ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - b0).count()
+                  : bt.elapsed_ms();
+  }
+  const std::vector<float> gdq = decode(dq_dev, q.bits.size(), dtype), gdk = decode(dk_dev, k.bits.size(), dtype),
+                           gdv = decode(dv_dev, v.bits.size(), dtype);
+  std::map<std::string, std::vector<float>, std::less<>> gcap;
+  for (size_t i = 0; i < grad_names.size(); ++i)
+    gcap[grad_names[i]] = dev_grads[i].to_vector<float>(grads.captures[grad_names[i]].numel());
+  if (!o.dq.empty()) npy::write(o.dq, npy::from_float(q.shape, gdq));
+  if (!o.dk.empty()) npy::write(o.dk, npy::from_float(k.shape, gdk));
+  if (!o.dv.empty()) npy::write(o.dv, npy::from_float(v.shape, gdv));
+  for (const auto& [name, file] : capture_grads)
+    npy::write(file, npy::from_float(grads.captures[name].shape, gcap[name]));
+  fmt::print("backward ({}): first call {:.1f} ms (compile or cache), kernels {:.3f} ms\n",
+             o.atomic_dq ? "dq by atomics" : "deterministic", bwd_first_ms, bwd_ms);
+  if (!o.check) return;
+
+  if (B * Hq * Lq * Lkv > kMaxBackwardCheckElements)
+    throw Error(fmt::format("--check --backward computes every gradient on the CPU in float64; "
+                            "B * HQ * Q_LEN * KV_LEN = {} is over {}: check smaller sizes",
+                            B * Hq * Lq * Lkv, kMaxBackwardCheckElements));
+  ReferenceBackwardProblem bp;
+  bp.forward = ref;
+  bp.dout = dout_in.values, bp.out = out, bp.lse = lse;
+  const ReferenceBackward rb = reference_attention_backward(variant, bp);
+  std::map<std::string, std::span<const float>, std::less<>> checked;
+  for (const auto& [name, g] : rb.captures) checked[name] = gcap.at(name);
+  const BackwardAccuracy acc = check_gradients(rb, gdq, gdk, gdv, checked);
+  fmt::print("check backward (seed {}): {}\n", o.seed, acc.summary());
   if (!acc.pass) throw CLI::RuntimeError(1);
 }
 
@@ -225,9 +335,10 @@ const Register reg("run", [](CLI::App& app) {
   auto o = std::make_shared<Options>();
   CLI::App* cmd = app.add_subcommand(
       "run",
-      "Run a variant's forward attention on the GPU: q, k, v from float32 .npy files [B, H, SEQ, "
-      "D] (or --random), output and LSE to float32 .npy files. --check compares with the float64 "
-      "CPU reference and exits 1 when the tolerance rule fails.");
+      "Run a variant's forward (and with --backward, backward) attention on the GPU: q, k, v "
+      "from float32 .npy files [B, H, SEQ, D] (or --random), output, LSE and gradients to float32 "
+      ".npy files. --check compares with the float64 CPU reference and exits 1 when the "
+      "tolerance rule fails.");
   cmd->add_option("config", o->config, "JSON variant config, or @name from the catalogue")
       ->required();
   cmd->add_option("--q", o->q, "queries, float32 .npy [B, HQ, Q_LEN, D]");
@@ -252,6 +363,17 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--kernel", o->kernel,
                   "forward kernel: auto (Hopper on sm_90 where it applies), portable or hopper")
       ->capture_default_str();
+  cmd->add_flag("--backward", o->backward,
+                "run the backward pass too: gradients of sum(out * dout) (--check checks them)");
+  cmd->add_option("--dout", o->dout, "with --backward: dL/dout, float32 .npy [B, HQ, Q_LEN, D] "
+                                     "(default: normal random, from --seed)");
+  cmd->add_option("--dq", o->dq, "with --backward: write dq here, float32 .npy");
+  cmd->add_option("--dk", o->dk, "with --backward: write dk here, float32 .npy");
+  cmd->add_option("--dv", o->dv, "with --backward: write dv here, float32 .npy");
+  cmd->add_option("--capture-grad", o->capture_grads,
+                  "with --backward: write a float32 capture's gradient, NAME=FILE.npy (repeatable)");
+  cmd->add_flag("--atomic-dq", o->atomic_dq,
+                "with --backward: dq by float32 atomics (not bitwise reproducible)");
   cmd->add_flag("--dense", o->dense, "no BlockMask: visit every tile, mask_mod on each");
   cmd->callback([o] { run(*o); });
 });
