@@ -246,7 +246,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, portable.block_m,
                              portable.block_n);
 
-  const detail::VariantImpl& impl = variant.impl();
+  const detail::VariantImpl& impl = detail::impl_of(variant);
   const std::string what = fmt::format("flexc::attention for '{}'", impl.name);
   const std::vector<double> params = detail::resolve_params(impl, opts.params, what);
   const auto captures =

@@ -156,7 +156,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, cfg.block_m,
                              cfg.block_n);
 
-  const detail::VariantImpl& impl = variant.impl();
+  const detail::VariantImpl& impl = detail::impl_of(variant);
   const std::string what = fmt::format("{} for '{}'", kWhat, impl.name);
   const detail::CallDims dims{B, Hq, q_len, kv_len};
   const std::vector<double> params = detail::resolve_params(impl, opts.params, what);

@@ -122,7 +122,7 @@ BlockMask create_block_mask(const Variant& v, int64_t B, int64_t H, int64_t q_le
   else
     s->host = build_on_cpu(p, a);
   st.host_ms = ms_since(t0);
-  return BlockMask(std::move(s));
+  return detail::BlockMaskAccess::make(std::move(s));
 }
 
 BlockMask BlockMask::from_kv_blocks(int64_t nb, int64_t nh, int64_t q_len, int64_t kv_len,
@@ -186,7 +186,7 @@ BlockMask BlockMask::from_kv_blocks(int64_t nb, int64_t nh, int64_t q_len, int64
   paint("", kv_num, kv_idx, TileKind::Partial);
   if (has_full) paint("full_", full_kv_num, full_kv_idx, TileKind::Full);
   s->host = detail::lists_from_grid(grid, nb * nh, nqt, nkt);
-  return BlockMask(std::move(s));
+  return detail::BlockMaskAccess::make(std::move(s));
 }
 
 int64_t BlockMask::nb() const { return s_->nb; }
@@ -291,7 +291,7 @@ std::string BlockMask::to_string(int64_t max_rows, int64_t max_cols, int64_t max
 namespace flexc::detail {
 
 const FlexcBlockMask& device_view(const BlockMask& m, CUstream_st* stream) {
-  BlockMask::State& s = m.state();
+  BlockMask::State& s = detail::BlockMaskAccess::state(m);
   std::lock_guard lock(s.mu);
   if (!s.view) {
     if (!s.device) {

@@ -50,7 +50,7 @@ void resolve_captures(MaskProblem& p, const VariantImpl& impl, const BlockMaskOp
 
 MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
                             const BlockMaskOptions& opts) {
-  const VariantImpl& impl = v.impl();
+  const VariantImpl& impl = detail::impl_of(v);
   MaskProblem p;
   p.variant = &v;
   p.mask = &impl.mask.graph;

@@ -163,7 +163,7 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
   const jit::DevicePtr base = m->buf.ptr();
   for (auto [slot, off] : staged_at)
     staged[slot].data = reinterpret_cast<void*>(base + work_at + off);
-  FlexcArgs args = kernel_args(p.variant->impl(), p.params, device);
+  FlexcArgs args = kernel_args(impl_of(*p.variant), p.params, device);
 
   jit::check(drv.cuMemsetD8Async(base + grid_at, 0, p.tiles(), stream), doing);
   m->buf.upload(work.data(), work.size(), work_at, stream);

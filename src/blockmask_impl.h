@@ -140,6 +140,12 @@ void fill_view(const DeviceMask& d, FlexcBlockMask& view);
 // `stream`. Valid as long as any copy of `m` lives.
 const FlexcBlockMask& device_view(const BlockMask& m, CUstream_st* stream = nullptr);
 
+// The state behind a public BlockMask, and a BlockMask around one: for flexc's own code only.
+struct BlockMaskAccess {
+  static BlockMask::State& state(const BlockMask& m) { return *m.s_; }
+  static BlockMask make(std::shared_ptr<BlockMask::State> s) { return BlockMask(std::move(s)); }
+};
+
 }  // namespace flexc::detail
 
 namespace flexc {

@@ -53,7 +53,7 @@ ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceP
 }  // namespace detail
 
 ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p) {
-  const detail::VariantImpl& impl = v.impl();
+  const detail::VariantImpl& impl = detail::impl_of(v);
   const std::string what = fmt::format("reference attention for '{}'", impl.name);
   const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, Lkv = p.kv_len,
                 D = p.head_dim;

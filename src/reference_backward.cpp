@@ -57,7 +57,7 @@ struct Element {
 
 ReferenceBackward reference_attention_backward(const Variant& variant,
                                                const ReferenceBackwardProblem& bp) {
-  const detail::VariantImpl& impl = variant.impl();
+  const detail::VariantImpl& impl = detail::impl_of(variant);
   const ReferenceProblem& p = bp.forward;
   const std::string what = fmt::format("reference backward for '{}'", impl.name);
   const detail::ReferenceInputs in = detail::check_reference_inputs(impl, p, what);

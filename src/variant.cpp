@@ -447,7 +447,7 @@ Variant finish(VariantImpl impl, std::string_view where) {
           std::min(expanded, limits.max_expanded_nodes), limits.max_nodes,
           limits.max_expanded_nodes));
   }
-  return Variant(std::make_shared<const VariantImpl>(std::move(impl)));
+  return VariantAccess::make(std::make_shared<const VariantImpl>(std::move(impl)));
 }
 
 // ---- the catalogue
@@ -496,7 +496,7 @@ VariantImpl build_mask(const MaskConfig& mc, const VariantImpl& file, std::strin
     case K::Ref: {
       if (const auto it = refs.find(mc.text); it != refs.end()) return it->second;
       if (!catalogue_file(mc.text)) config_error(origin, mc.path, unknown_entry(mc.text));
-      return refs.emplace(mc.text, mask_only(Variant::from_catalogue(mc.text).impl()))
+      return refs.emplace(mc.text, mask_only(detail::impl_of(Variant::from_catalogue(mc.text))))
           .first->second;
     }
     case K::Not:
@@ -654,28 +654,30 @@ Variant Variant::renamed(std::string name) const {
 
 Variant and_masks(const Variant& a, const Variant& b) {
   const std::string context = fmt::format("and_masks({}, {})", a.name(), b.name());
-  return detail::named(detail::combine_masks(dsl::Op::And, a.impl(), b.impl(), context),
-                       a.name() + "_and_" + b.name(),
-                       fmt::format("mask of '{}' and mask of '{}'", a.name(), b.name()), context);
+  return detail::named(
+      detail::combine_masks(dsl::Op::And, detail::impl_of(a), detail::impl_of(b), context),
+      a.name() + "_and_" + b.name(),
+      fmt::format("mask of '{}' and mask of '{}'", a.name(), b.name()), context);
 }
 
 Variant or_masks(const Variant& a, const Variant& b) {
   const std::string context = fmt::format("or_masks({}, {})", a.name(), b.name());
-  return detail::named(detail::combine_masks(dsl::Op::Or, a.impl(), b.impl(), context),
-                       a.name() + "_or_" + b.name(),
-                       fmt::format("mask of '{}' or mask of '{}'", a.name(), b.name()), context);
+  return detail::named(
+      detail::combine_masks(dsl::Op::Or, detail::impl_of(a), detail::impl_of(b), context),
+      a.name() + "_or_" + b.name(),
+      fmt::format("mask of '{}' or mask of '{}'", a.name(), b.name()), context);
 }
 
 Variant not_mask(const Variant& a) {
-  return detail::named(detail::negated(a.impl()), "not_" + a.name(),
+  return detail::named(detail::negated(detail::impl_of(a)), "not_" + a.name(),
                        fmt::format("negated mask of '{}'", a.name()),
                        fmt::format("not_mask({})", a.name()));
 }
 
 Variant compose(const Variant& outer, const Variant& inner) {
   const std::string context = fmt::format("compose({}, {})", outer.name(), inner.name());
-  const VariantImpl& o = outer.impl();
-  const VariantImpl& i = inner.impl();
+  const VariantImpl& o = detail::impl_of(outer);
+  const VariantImpl& i = detail::impl_of(inner);
   detail::Merged m = detail::merge_decls(o, i, context);
   VariantImpl out;
   if (detail::is_identity(o.score)) {

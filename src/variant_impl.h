@@ -65,4 +65,11 @@ std::string in_quotes(std::string_view text);
 // " (did you mean \"x\"?)" for the closest candidate, or empty.
 std::string did_you_mean(std::string_view got, const std::vector<std::string>& candidates);
 
+// The IR behind a public Variant, and a Variant around one: for flexc's own code only.
+struct VariantAccess {
+  static const VariantImpl& impl(const Variant& v) { return *v.impl_; }
+  static Variant make(std::shared_ptr<const VariantImpl> impl) { return Variant(std::move(impl)); }
+};
+inline const VariantImpl& impl_of(const Variant& v) { return VariantAccess::impl(v); }
+
 }  // namespace flexc::detail

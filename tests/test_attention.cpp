@@ -534,7 +534,7 @@ namespace {
 
 // NVRTC's log with ptxas statistics (-v) for `spec` built with variant `v`; no GPU needed.
 std::string ptxas_log(const Variant& v, const jit::KernelSpec& spec) {
-  const detail::VariantImpl& impl = v.impl();
+  const detail::VariantImpl& impl = flexc::detail::impl_of(v);
   const std::string header =
       dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name});
   std::vector<std::string> options = jit::nvrtc_options(spec.arch, spec.defines);

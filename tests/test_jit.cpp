@@ -631,7 +631,7 @@ TEST_CASE("NVRTC errors map back to the user's expression or the template line",
 
 TEST_CASE("a real NVRTC error on a generated line points at the user's text", "[jit]") {
   const Variant v = Variant::from_strings("score + float((q_idx - kv_idx) // 7)", "true");
-  const detail::VariantImpl& impl = v.impl();
+  const detail::VariantImpl& impl = flexc::detail::impl_of(v);
   std::string header =
       dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name});
   // Break the statement the user's `//` became, as a miscompiled emitter would.
@@ -838,7 +838,7 @@ void check_on_gpu(const Variant& v, double tol) {
   constexpr int B = 2, H = 4, q_len = 37, kv_len = 53;
   constexpr int q0 = 0, nq = q_len, kv0 = 0, nkv = kv_len;
   const size_t n = static_cast<size_t>(B) * H * nq * nkv;
-  const detail::VariantImpl& impl = v.impl();
+  const detail::VariantImpl& impl = flexc::detail::impl_of(v);
   const Kernel& k = get_kernel(v, mods_eval_spec({}));
   CHECK(&get_kernel(v, mods_eval_spec({})) == &k);
 
@@ -1024,7 +1024,7 @@ TEST_CASE("mods_eval on the GPU matches the interpreter bit for bit on random mo
     vi->mask.graph = dsl::simplify(vi->mask.graph);
     INFO("score_mod " << dsl::to_text(vi->score.graph, vi->score.graph.root, decls) << "; mask_mod "
                       << dsl::to_text(vi->mask.graph, vi->mask.graph.root, decls));
-    check_on_gpu(Variant(vi), 0);
+    check_on_gpu(flexc::detail::VariantAccess::make(vi), 0);
   }
 }
 

@@ -36,7 +36,7 @@ bool mask_at(const Variant& v, int64_t q, int64_t kv, std::span<const double> pa
   env.ints[static_cast<int>(flexc::dsl::Input::QIdx)] = q;
   env.ints[static_cast<int>(flexc::dsl::Input::KvIdx)] = kv;
   env.params = params;
-  return flexc::dsl::evaluate(v.impl().mask.graph, env).i != 0;
+  return flexc::dsl::evaluate(flexc::detail::impl_of(v).mask.graph, env).i != 0;
 }
 
 }  // namespace
@@ -429,7 +429,7 @@ TEST_CASE("t5_bias buckets are T5's", "[variant]") {
     env.captures = std::span(&t, 1);
     for (auto p : {flexc::dsl::Precision::F64, flexc::dsl::Precision::F32}) {
       INFO("q " << q << " kv " << kv);
-      CHECK(flexc::dsl::evaluate(v.impl().score.graph, env, p).f ==
+      CHECK(flexc::dsl::evaluate(flexc::detail::impl_of(v).score.graph, env, p).f ==
             static_cast<double>(100 * h + t5_bucket(kv - q)));
     }
   }

@@ -79,11 +79,12 @@ std::vector<uint16_t> random_bits(size_t n, DType dtype, uint64_t seed) {
 // Exact fraction of (q, kv) pairs the mask keeps, for a mask that reads neither b nor h: full
 // tiles count whole, partial ones element by element (float32, as the kernels decide).
 double density(const Variant& v, const BlockMask& bm, std::span<const dsl::HostTensor> captures) {
-  const dsl::Graph& mask = v.impl().mask.graph;
+  const dsl::Graph& mask = flexc::detail::impl_of(v).mask.graph;
   dsl::EvalEnv env;
   env.captures = captures;
   std::vector<double> params;  // the defaults: the benchmark sets none
-  for (const dsl::ParamDecl& p : v.impl().decls.params) params.push_back(p.default_value);
+  for (const dsl::ParamDecl& p : flexc::detail::impl_of(v).decls.params)
+    params.push_back(p.default_value);
   env.params = params;
   std::vector<dsl::Value> scratch;
   const int64_t S = bm.q_len(), T = bm.q_tile(), K = bm.kv_tile();

@@ -24,6 +24,10 @@ struct CUstream_st;
 
 namespace flexc {
 
+namespace detail {
+struct BlockMaskAccess;  // flexc's own code reaches the state through it (src/blockmask_impl.h)
+}
+
 // A captured tensor as the BlockMask builders read it, in its declared dtype (bf16 / fp16 as raw
 // 16-bit words, bool as bytes) and dims (B and H resolve to the call's B and H). The host copy is
 // required: the analysis takes minima / maxima of it. The device copy is optional: a GPU build
@@ -111,12 +115,11 @@ class BlockMask {
   std::string to_string(int64_t max_rows = 32, int64_t max_cols = 32, int64_t max_heads = 4) const;
   const BlockMaskStats& stats() const;
 
-  struct State;  // defined in src/blockmask_impl.h
-  explicit BlockMask(std::shared_ptr<State> s) : s_(std::move(s)) {}
-  // For flexc's internals (detail::device_view); State is opaque outside src/.
-  State& state() const { return *s_; }
+  struct State;  // defined in src/blockmask_impl.h; opaque outside flexc
 
  private:
+  friend struct detail::BlockMaskAccess;
+  explicit BlockMask(std::shared_ptr<State> s) : s_(std::move(s)) {}
   std::shared_ptr<State> s_;
 };
 

@@ -13,7 +13,8 @@
 namespace flexc {
 
 namespace detail {
-struct VariantImpl;  // defined in src/; holds the checked IR
+struct VariantImpl;    // defined in src/; holds the checked IR
+struct VariantAccess;  // flexc's own code reaches the IR through it (src/variant_impl.h)
 }
 
 // A captured tensor the mods index, e.g. `bias[h, q_idx - kv_idx + 4095]`.
@@ -85,11 +86,9 @@ class Variant {
   // Returns a copy with a new name.
   Variant renamed(std::string name) const;
 
-  // For flexc's own code (src/): the checked IR.
-  const detail::VariantImpl& impl() const { return *impl_; }
-  explicit Variant(std::shared_ptr<const detail::VariantImpl> impl) : impl_(std::move(impl)) {}
-
  private:
+  friend struct detail::VariantAccess;
+  explicit Variant(std::shared_ptr<const detail::VariantImpl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<const detail::VariantImpl> impl_;
 };
 

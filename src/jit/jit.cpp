@@ -108,13 +108,13 @@ class Jit {
   std::shared_ptr<const Prepared> prepare(const Variant& v, const KernelSpec& spec) {
     KernelSpec resolved = spec;
     if (resolved.arch.empty()) resolved.arch = current_arch();
-    const std::string id = spec_id(&v.impl(), resolved);
+    const std::string id = spec_id(&detail::impl_of(v), resolved);
     {
       std::lock_guard lk(mu_);
       if (auto it = prepared_.find(id); it != prepared_.end()) return it->second;
     }
     auto p = std::make_shared<Prepared>(Prepared{v, std::move(resolved), {}, {}, {}, {}, {}, {}});
-    const detail::VariantImpl& impl = v.impl();
+    const detail::VariantImpl& impl = detail::impl_of(v);
     std::string stem = spec.template_name.substr(0, spec.template_name.rfind(".cuh"));
     p->what = fmt::format("flexc {} kernel for variant '{}' ({})", stem, impl.name, p->spec.arch);
     try {
@@ -173,7 +173,8 @@ class Jit {
 
   const Kernel& kernel(const Variant& v, const KernelSpec& spec) {
     CUcontext ctx = current_context();
-    const std::string id = fmt::format("{}|{}", static_cast<void*>(ctx), spec_id(&v.impl(), spec));
+    const std::string id =
+        fmt::format("{}|{}", static_cast<void*>(ctx), spec_id(&detail::impl_of(v), spec));
     {
       std::shared_lock lk(kernels_mu_);
       if (auto it = fast_.find(id); it != fast_.end()) {
@@ -193,7 +194,7 @@ class Jit {
     std::vector<const Kernel*> out;
     for (size_t i = 0; i < specs.size(); ++i) {
       const std::string id =
-          fmt::format("{}|{}", static_cast<void*>(ctx), spec_id(&v.impl(), specs[i]));
+          fmt::format("{}|{}", static_cast<void*>(ctx), spec_id(&detail::impl_of(v), specs[i]));
       out.push_back(&load(ctx, id, *ps[i], got[i]));
     }
     return out;
@@ -245,7 +246,7 @@ class Jit {
   }
 
   Obtained compile_now(const Prepared& p, const DiskCache* d) {
-    const detail::VariantImpl& impl = p.variant.impl();
+    const detail::VariantImpl& impl = detail::impl_of(p.variant);
     const ErrorContext ctx{"compiling the " + p.what, p.header, &impl.score, &impl.mask};
     NvrtcOutput out = nvrtc_compile(p.unit, p.options, ctx);
     auto e = std::make_shared<CacheEntry>(

@@ -23,7 +23,7 @@ void exercise(const flexc::Variant& v) {
   (void)v.identity_score();
   (void)v.mask_always_true();
 
-  const flexc::detail::VariantImpl& impl = v.impl();
+  const flexc::detail::VariantImpl& impl = flexc::detail::impl_of(v);
   flexc::dsl::EmitInput in;
   in.score = &impl.score.graph;
   in.mask = &impl.mask.graph;
