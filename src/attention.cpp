@@ -64,6 +64,47 @@ TileConfig fwd_config_sm90(int head_dim) {
   return c;
 }
 
+// The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
+// every dim longer than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is
+// never loaded.
+bool tma_fits(const TensorView& t) {
+  if (detail::is_empty(t)) return true;
+  for (size_t i = 0; i < 3; ++i)
+    if (t.shape[i] > 1 && (t.stride(i) == 0 || t.stride(i) >= (int64_t(1) << 39))) return false;
+  return true;
+}
+
+// The TMA descriptor of a [B, H, S, D] tensor for the Hopper kernel: boxes of 64 columns (one
+// 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
+FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
+  static_assert(sizeof(CUtensorMap) == sizeof(FlexcTensorMap));
+  const jit::DriverApi& d = jit::driver("building a TMA descriptor for a Hopper kernel");
+  const int64_t es = 2;  // bf16 / fp16
+  // Innermost first: D, S, H, B. A dim of size 1 is never stepped along, so its stride is free;
+  // it gets one row's bytes, which meets TMA's rules (a multiple of 16, below 2^40) whatever
+  // the view says (0, or a huge stride from as_strided).
+  const cuuint64_t dims[4] = {cuuint64_t(t.shape[3]), cuuint64_t(std::max<int64_t>(t.shape[2], 1)),
+                              cuuint64_t(t.shape[1]), cuuint64_t(t.shape[0])};
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i) {
+    const int dim = 2 - i;  // S, H, B
+    strides[i] = dims[i + 1] == 1 ? cuuint64_t(t.shape[3] * es) : cuuint64_t(t.stride(dim) * es);
+  }
+  const cuuint32_t box[4] = {64, rows, 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  jit::check(d.cuTensorMapEncodeTiled(
+                 &map, t.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                 4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+             fmt::format("building a TMA descriptor for {}", t.describe()));
+  FlexcTensorMap out;
+  std::memcpy(&out, &map, sizeof out);
+  return out;
+}
+
 }  // namespace detail
 
 namespace jit {
@@ -117,47 +158,6 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 constexpr std::string_view kWhat = "flexc::attention";
 [[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
-// The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
-// every dim longer than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is
-// never loaded.
-bool tma_fits(const TensorView& t) {
-  if (detail::is_empty(t)) return true;
-  for (size_t i = 0; i < 3; ++i)
-    if (t.shape[i] > 1 && (t.stride(i) == 0 || t.stride(i) >= (int64_t(1) << 39))) return false;
-  return true;
-}
-
-// The TMA descriptor of a [B, H, S, D] tensor for the Hopper kernel: boxes of 64 columns (one
-// 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
-FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
-  static_assert(sizeof(CUtensorMap) == sizeof(FlexcTensorMap));
-  const jit::DriverApi& d = jit::driver("building a TMA descriptor for flexc::attention");
-  const int64_t es = 2;  // bf16 / fp16
-  // Innermost first: D, S, H, B. A dim of size 1 is never stepped along, so its stride is free;
-  // it gets one row's bytes, which meets TMA's rules (a multiple of 16, below 2^40) whatever
-  // the view says (0, or a huge stride from as_strided).
-  const cuuint64_t dims[4] = {cuuint64_t(t.shape[3]), cuuint64_t(std::max<int64_t>(t.shape[2], 1)),
-                              cuuint64_t(t.shape[1]), cuuint64_t(t.shape[0])};
-  cuuint64_t strides[3];
-  for (int i = 0; i < 3; ++i) {
-    const int dim = 2 - i;  // S, H, B
-    strides[i] = dims[i + 1] == 1 ? cuuint64_t(t.shape[3] * es) : cuuint64_t(t.stride(dim) * es);
-  }
-  const cuuint32_t box[4] = {64, rows, 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  jit::check(d.cuTensorMapEncodeTiled(
-                 &map, t.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                 4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-             fmt::format("building a TMA descriptor for {}", t.describe()));
-  FlexcTensorMap out;
-  std::memcpy(&out, &map, sizeof out);
-  return out;
-}
-
 // Why the Hopper kernel cannot run a call of head dim D with these inputs; empty when it can.
 std::string hopper_misfit_reason(int D, const BlockMask* bm, const TensorView& q,
                                  const TensorView& k, const TensorView& v) {
@@ -168,7 +168,7 @@ std::string hopper_misfit_reason(int D, const BlockMask* bm, const TensorView& q
     return fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
                        bm->q_tile(), bm->kv_tile());
   for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
-    if (!tma_fits(*t))
+    if (!detail::tma_fits(*t))
       return fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
                          "1 (below 2^39 elements); {}",
                          name, t->describe());
@@ -259,12 +259,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                      dev.major, dev.minor));
   // The Hopper kernel where it runs and has the head dim (and the BlockMask's tiles split into
   // its 128 x 128 ones, which the default tiles do); the portable one elsewhere.
-  const bool sm90 = dev.major == 9 && dev.minor == 0;
-  if (opts.kernel == FwdKernel::Hopper && !sm90)
-    fail(fmt::format("the Hopper kernel needs a GPU of compute capability 9.0; this one is {}.{}",
-                     dev.major, dev.minor));
-  const bool hopper = opts.kernel == FwdKernel::Hopper ||
-                      (opts.kernel == FwdKernel::Auto && sm90 && hopper_misfit.empty());
+  const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
   const detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
@@ -291,9 +286,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   FlexcTensorMap maps[3];
   std::vector<void*> argv = {&p, &args, &bm};
   if (hopper) {
-    maps[0] = tensor_map(q, uint32_t(cfg.block_m));
-    maps[1] = tensor_map(k, uint32_t(cfg.block_n));
-    maps[2] = tensor_map(v, uint32_t(cfg.block_n));
+    maps[0] = detail::tensor_map(q, uint32_t(cfg.block_m));
+    maps[1] = detail::tensor_map(k, uint32_t(cfg.block_n));
+    maps[2] = detail::tensor_map(v, uint32_t(cfg.block_n));
     for (FlexcTensorMap& m : maps) argv.push_back(&m);
   }
   kernel.launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),

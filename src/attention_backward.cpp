@@ -34,6 +34,21 @@ TileConfig bwd_config(int head_dim) {
   return c;
 }
 
+TileConfig bwd_config_sm90(int head_dim) {
+  // A producer warpgroup and two consumers of 64 kv rows (128 per CTA, the default BlockMask
+  // tile), 64 q rows per step; shared memory: K, V, two stages of Q and dO, per consumer dS^T
+  // (64 x 64) and its float32 dQ part (64 x D), two stages of LSE / delta rows, 5 mbarriers, and
+  // 1024 bytes to align the tiles for wgmma's swizzle. The deterministic build leaves out the dS^T
+  // and dQ parts but is launched with the same size.
+  if (!sm90_supports(head_dim))
+    throw Error(fmt::format("the Hopper backward kernel has no head dim {} (64 or 128)", head_dim));
+  TileConfig c{64, 128, 128 * 3, 2, 0};
+  c.smem_bytes = size_t(2) * head_dim * (2 * c.block_n + 2 * 2 * c.block_m) +
+                 2 * (size_t(2) * 64 * c.block_m + size_t(4) * c.block_m * head_dim) +
+                 2 * 2 * size_t(4) * c.block_m + 8 * 5 + 1024;
+  return c;
+}
+
 size_t bwd_dq_rows_smem(int head_dim) {
   const TileConfig c = bwd_config(head_dim);
   return size_t(2) * head_dim * (2 * c.block_m + 2 * 2 * c.block_n);  // Q, dO, 2 x (K, V)
@@ -60,11 +75,33 @@ KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
           cfg.arch};
 }
 
+KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
+  const detail::TileConfig c = detail::bwd_config_sm90(cfg.head_dim);
+  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
+    throw Error(
+        fmt::format("attention_bwd_sm90: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
+  if (!cfg.arch.empty() && cfg.arch != "sm_90" && cfg.arch != "sm_90a")
+    throw Error(fmt::format("attention_bwd_sm90 is built for sm_90a (wgmma); not for '{}'",
+                            cfg.arch));
+  return {"attention_bwd_sm90.cuh",
+          "flexc_attention_bwd_sm90",
+          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"}},
+          "sm_90a"};
+}
+
 }  // namespace
 
 KernelSpec attention_bwd_spec(const KernelConfig& cfg) { return bwd_spec(cfg, false); }
 KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg) {
   return bwd_spec(cfg, true);
+}
+KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg) { return bwd_sm90_spec(cfg, false); }
+KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg) {
+  return bwd_sm90_spec(cfg, true);
 }
 
 }  // namespace jit
@@ -155,6 +192,22 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (opts.block_mask)
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, cfg.block_m,
                              cfg.block_n);
+  // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
+  std::string hopper_misfit;
+  if (!detail::sm90_supports(int(D)))
+    hopper_misfit = fmt::format("the Hopper backward kernel has no head dim {} (64 or 128)", D);
+  else if (opts.block_mask && !detail::tiles_fit(*opts.block_mask, 64, 128))
+    hopper_misfit = fmt::format(
+        "block_mask tiles {} x {} must be multiples of the Hopper backward kernel's 64 x 128",
+        opts.block_mask->q_tile(), opts.block_mask->kv_tile());
+  else
+    for (auto [name, t] : {std::pair{"q", &q}, {"dout", &dout}, {"k", &k}, {"v", &v}})
+      if (hopper_misfit.empty() && !detail::tma_fits(*t))
+        hopper_misfit = fmt::format(
+            "the Hopper kernel needs a nonzero stride on every dim of {} longer than 1 (below "
+            "2^39 elements); {}",
+            name, t->describe());
+  if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
 
   const detail::VariantImpl& impl = detail::impl_of(variant);
   const std::string what = fmt::format("{} for '{}'", kWhat, impl.name);
@@ -190,14 +243,25 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (dev.major < 8)
     fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
                      dev.major, dev.minor));
-  if (std::max(cfg.smem_bytes, detail::bwd_dq_rows_smem(int(D))) > dev.max_smem)
+
+  // The Hopper main kernel where it runs and takes the call; prep and dq always come from the
+  // portable template's compile.
+  const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
+  const detail::TileConfig main_cfg = hopper ? detail::bwd_config_sm90(int(D)) : cfg;
+  const size_t smem = std::max(main_cfg.smem_bytes, detail::bwd_dq_rows_smem(int(D)));
+  if (smem > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
-                     D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
+                     D, smem / 1024, dev.max_smem / 1024));
 
   const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
-  const jit::KernelSpec main_spec = opts.deterministic ? jit::attention_bwd_deterministic_spec(kc)
-                                                       : jit::attention_bwd_spec(kc);
-  jit::KernelSpec prep_spec = main_spec, dq_spec = main_spec;
+  const jit::KernelSpec portable_spec = opts.deterministic
+                                            ? jit::attention_bwd_deterministic_spec(kc)
+                                            : jit::attention_bwd_spec(kc);
+  const jit::KernelSpec main_spec =
+      !hopper               ? portable_spec
+      : opts.deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
+                           : jit::attention_bwd_sm90_spec(kc);
+  jit::KernelSpec prep_spec = portable_spec, dq_spec = portable_spec;
   prep_spec.entry = "flexc_attention_bwd_prep";
   dq_spec.entry = opts.deterministic ? "flexc_attention_bwd_dq_rows" : "flexc_attention_bwd_dq";
   const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
@@ -205,10 +269,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const size_t dq_rows_smem = detail::bwd_dq_rows_smem(int(D));
 
   const int64_t rows = B * Hq * q_len;
-  // delta, and (unless deterministic) the float32 dQ accumulator.
-  const StreamBuffer work(static_cast<size_t>(rows) * (opts.deterministic ? 1 : D + 1) *
-                              sizeof(float),
-                          opts.stream);
+  // delta, and (unless deterministic) the float32 dQ accumulator, 256-byte aligned (the Hopper
+  // kernel adds into it with bulk copies).
+  const int64_t delta_floats = (rows + 63) / 64 * 64;
+  const StreamBuffer work(
+      static_cast<size_t>(delta_floats + (opts.deterministic ? 0 : rows * D)) * sizeof(float),
+      opts.stream);
   FlexcAttentionBwdParams p{};
   FlexcAttentionParams& f = p.fwd;
   f.q = q.data, f.k = k.data, f.v = v.data, f.o = out.data;
@@ -226,7 +292,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;
   p.delta = reinterpret_cast<float*>(work.ptr());
-  p.dq_accum = opts.deterministic ? nullptr : p.delta + rows;
+  p.dq_accum = opts.deterministic ? nullptr : p.delta + delta_floats;
   FlexcBlockMask bm{};
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
 
@@ -237,9 +303,20 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (q_len > 0)
     kernels[0]->launch(unsigned((q_len + 7) / 8), unsigned(Hq), unsigned(B), 256, 0, opts.stream,
                        prep_args);
+  // The Hopper kernel also takes the TMA descriptors of q, dout, k and v.
+  FlexcTensorMap maps[4];
+  std::vector<void*> main_argv(std::begin(main_args), std::end(main_args));
+  if (hopper && kv_len > 0 && q_len > 0) {
+    maps[0] = detail::tensor_map(q, uint32_t(main_cfg.block_m));
+    maps[1] = detail::tensor_map(dout, uint32_t(main_cfg.block_m));
+    maps[2] = detail::tensor_map(k, uint32_t(main_cfg.block_n));
+    maps[3] = detail::tensor_map(v, uint32_t(main_cfg.block_n));
+    for (FlexcTensorMap& m : maps) main_argv.push_back(&m);
+  }
   if (kv_len > 0)
-    kernels[1]->launch(unsigned((kv_len + cfg.block_n - 1) / cfg.block_n), unsigned(Hkv),
-                       unsigned(B), unsigned(cfg.threads), cfg.smem_bytes, opts.stream, main_args);
+    kernels[1]->launch(unsigned((kv_len + main_cfg.block_n - 1) / main_cfg.block_n), unsigned(Hkv),
+                       unsigned(B), unsigned(main_cfg.threads), main_cfg.smem_bytes, opts.stream,
+                       main_argv.data());
   if (q_len > 0 && opts.deterministic)
     kernels[2]->launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq),
                        unsigned(B), unsigned(cfg.threads), dq_rows_smem, opts.stream, main_args);

@@ -37,6 +37,16 @@ DeviceLimits device_limits() {
   return known.emplace(static_cast<int>(dev), l).first->second;
 }
 
+bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misfit,
+                std::string_view what) {
+  const bool sm90 = dev.major == 9 && dev.minor == 0;
+  if (choice == FwdKernel::Hopper && !sm90)
+    throw Error(fmt::format(
+        "{}: the Hopper kernel needs a GPU of compute capability 9.0; this one is {}.{}", what,
+        dev.major, dev.minor));
+  return choice == FwdKernel::Hopper || (choice == FwdKernel::Auto && sm90 && misfit.empty());
+}
+
 namespace {
 
 // [first, last] byte range a view spans.

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 
@@ -18,6 +19,12 @@ struct DeviceLimits {
   size_t max_smem = 0;  // opt-in maximum per block
 };
 DeviceLimits device_limits();
+
+// Whether a call runs its Hopper kernel: forced (an error, prefixed `what`, on a GPU other than
+// compute capability 9.0), or by Auto on such a GPU when `misfit` (why the Hopper kernel cannot
+// take the call) is empty.
+bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misfit,
+                std::string_view what);
 
 // q / k / v / out and their gradients: rank 4, bf16 or fp16 equal to `dtype` (q's), data set,
 // contiguous head dim, 16-byte aligned rows.

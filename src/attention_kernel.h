@@ -5,7 +5,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
+#include "../templates/attention_params.cuh"
+#include "flexc/tensor.h"
 #include "jit/kernels.h"
 
 namespace flexc::detail {
@@ -27,6 +30,16 @@ bool sm90_supports(int head_dim);
 TileConfig bwd_config(int head_dim);
 // Shared memory of the deterministic mode's dQ kernel (flexc_attention_bwd_dq_rows).
 size_t bwd_dq_rows_smem(int head_dim);
+// The Hopper backward kernel's (templates/attention_bwd_sm90.cuh); throws flexc::Error for a head
+// dim it does not support (sm90_supports says which).
+TileConfig bwd_config_sm90(int head_dim);
+
+// Whether the Hopper kernels can load `t` with TMA: a nonzero stride below 2^39 elements on every
+// dim longer than 1.
+bool tma_fits(const TensorView& t);
+// The TMA descriptor of a [B, H, S, D] bf16 / fp16 tensor for the Hopper kernels: boxes of 64
+// columns (one 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
+FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows);
 
 }  // namespace flexc::detail
 
@@ -45,5 +58,10 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg);
 // arguments). The deterministic build leaves dQ to flexc_attention_bwd_dq_rows.
 KernelSpec attention_bwd_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
+// templates/attention_bwd_sm90.cuh (sm_90a), entry flexc_attention_bwd_sm90: the main kernel's
+// arguments, then the TMA descriptors of q, dout, k and v. The deterministic build leaves dQ to
+// attention_bwd_deterministic_spec's flexc_attention_bwd_dq_rows.
+KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg);
+KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg);
 
 }  // namespace flexc::jit

@@ -149,9 +149,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     const long long base = (static_cast<long long>(b) * p.q_heads + fetch_h) * p.q_len;
     for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
       const int q = q0 + r;
-      const float l = q < p.q_len ? p.lse[base + q] : neg_inf();
-      // A row with no unmasked element (LSE -inf), or past q_len, gets P = 2^-inf = 0.
-      lse2_of(stage)[r] = l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+      lse2_of(stage)[r] = lse_log2(p.lse, base + q, q < p.q_len);
       delta_of(stage)[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
     }
     fetch_sched.advance(fetch);
@@ -205,14 +203,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
         ldmatrix_x4(bf, frag_b_q(q_tile(stage), n, kk / 8));
       });
     }
-    // The pre-mod score, for capture gradients.
     float x[FlexcVariant::kHasCaptureGrads ? kNT : 1][4];
-    if constexpr (FlexcVariant::kHasCaptureGrads) {
-#pragma unroll
-      for (int j = 0; j < kNT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[j][e] = s[0][j][e] * p.scale;
-    }
+    flexc_attn::keep_pre_mod(s[0], p.scale, x);
     float grad[1][kGrad ? kNT : 1][4];
     Scores::apply_mods<kGrad>(s, grad, p, args, b, hq, row0, q0, partial);
 
@@ -222,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        s[0][j][e] = exp2_approx(fmaf(s[0][j][e], to_log2, -lse2[j * 8 + (lane & 3) * 2 + (e & 1)]));
+        s[0][j][e] = p_from_lse(s[0][j][e], to_log2, lse2[j * 8 + (lane & 3) * 2 + (e & 1)]);
 
     // dV += P^T dO
 #pragma unroll
@@ -402,8 +394,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row0 + (lane >> 2) + r * 8;
-    const float l = q < p.q_len ? p.lse[base + q] : neg_inf();
-    lse2[r] = l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+    lse2[r] = lse_log2(p.lse, base + q, q < p.q_len);
     delta[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
   }
   const auto frag_a_q = FragAddr<QTile>::a();
@@ -443,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     for (int j = 0; j < kBlockN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float pv = exp2_approx(fmaf(s[0][j][e], to_log2, -lse2[e >> 1]));
+        const float pv = p_from_lse(s[0][j][e], to_log2, lse2[e >> 1]);
         dp[0][j][e] = dscore(pv, dp[0][j][e], delta[e >> 1], grad[0][kGrad ? j : 0][e]);
       }
     // dQ += dS K

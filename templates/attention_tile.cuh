@@ -85,6 +85,40 @@ using KvSchedule = TileSchedule<BLOCK_N, Along::Kv>;
 template <int BLOCK_M>
 using QSchedule = TileSchedule<BLOCK_M, Along::Q>;
 
+// The steps of a backward CTA, which owns one kv tile of kv head h_kv: for each query head of
+// the group [h_first, h_first + heads), the q tiles of that head's column, in order. Each walker
+// (a prefetching producer, a computing consumer) keeps its own copy.
+template <int BLOCK_M>
+struct ColumnSteps {
+  QSchedule<BLOCK_M> sched;
+  typename QSchedule<BLOCK_M>::Cursor cur;
+  const FlexcBlockMask* bm;
+  int b, h, h_end, kv0, q_len, left;
+
+  __device__ ColumnSteps(const FlexcBlockMask& m, int b_, int h_first, int heads, int kv0_,
+                         int q_len_)
+      : sched(m, b_, h_first, kv0_, q_len_), bm(&m), b(b_), h(h_first), h_end(h_first + heads),
+        kv0(kv0_), q_len(q_len_), left(sched.count) {}
+  // The next step's query head, first q row and whether mask_mod must run; false when done.
+  // Kernel tiles of a BlockMask tile that start past q_len are skipped.
+  __device__ __forceinline__ bool next(int& head, int& q0, bool& partial) {
+    for (;;) {
+      while (left == 0) {
+        if (h + 1 >= h_end) return false;
+        sched = QSchedule<BLOCK_M>(*bm, b, ++h, kv0, q_len);
+        cur = {};
+        left = sched.count;
+      }
+      head = h;
+      q0 = sched.start(cur);
+      partial = sched.is_partial(cur);
+      sched.advance(cur);
+      --left;
+      if (q0 < q_len) return true;
+    }
+  }
+};
+
 // Row `h` of batch `b` of a [B, H, S, D] tensor with strides `stride` (elements).
 template <class T>
 __device__ __forceinline__ const T* at(const void* base, const long long (&stride)[3], int b,
@@ -215,6 +249,20 @@ __device__ __forceinline__ float units_log2(const FlexcAttentionParams& p) {
 }
 __device__ __forceinline__ float units_ln(const FlexcAttentionParams& p) {
   return FlexcVariant::kIdentityScore ? p.scale : 1.f;
+}
+
+// The pre-mod scores (scale * q.k) of a warp's fragment tile, kept before the hooks overwrite
+// them: capture gradients are taken there. `x` is [NT][4] when the variant has capture gradients,
+// else a [1][4] placeholder, left alone.
+template <int NT, int XN>
+__device__ __forceinline__ void keep_pre_mod(const float (&s)[NT][4], float scale,
+                                             float (&x)[XN][4]) {
+  if constexpr (XN == NT) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[j][e] = s[j][e] * scale;
+  }
 }
 
 // Writes a warp's MT x DT C fragments, row (i, r) times factor(i, r), into rows [tile_row,

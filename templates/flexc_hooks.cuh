@@ -83,8 +83,19 @@ struct FlexcBlockMask {
 __device__ __forceinline__ int flexc_add(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
 __device__ __forceinline__ int flexc_sub(int a, int b) { return (int)((unsigned)a - (unsigned)b); }
 __device__ __forceinline__ int flexc_mul(int a, int b) { return (int)((unsigned)a * (unsigned)b); }
-__device__ __forceinline__ int flexc_neg(int a) { return (int)(0u - (unsigned)a); }
-__device__ __forceinline__ int flexc_abs(int a) { return a < 0 ? flexc_neg(a) : a; }
+// Negation as not + add: CUDA 13.0's ptxas folds a neg.s32 of a uniform register into a
+// three-operand VIMNMX3 and drops the sign (max(max(q_idx, -kv_len), x) became
+// max(q_idx, kv_len, x); tests/test_jit.cpp keeps the mod that showed it).
+__device__ __forceinline__ int flexc_neg(int a) {
+#ifdef __CUDA_ARCH__
+  int r;
+  asm("not.b32 %0, %1;\n\tadd.s32 %0, %0, 1;" : "=r"(r) : "r"(a));
+  return r;
+#else  // tests/test_emit.cpp's host build of the hooks
+  return (int)(0u - (unsigned)a);
+#endif
+}
+__device__ __forceinline__ int flexc_abs(int a) { return a < 0 ? (int)(0u - (unsigned)a) : a; }
 __device__ __forceinline__ int flexc_sign(int a) { return (a > 0) - (a < 0); }
 // Shift counts are taken modulo 32; >> is arithmetic.
 __device__ __forceinline__ int flexc_shl(int a, int b) { return (int)((unsigned)a << (b & 31)); }

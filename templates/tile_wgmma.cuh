@@ -135,6 +135,33 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// ---- bulk copies from shared memory (the async proxy): generic-proxy writes to shared memory
+// are made visible to it with fence_proxy_async before the copy is issued.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// global[dst .. dst + bytes) += shared[src ..) as float32, atomically per element (bytes a
+// multiple of 16, both addresses 16-byte aligned); completes with the issuing thread's bulk group.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until at most N of this thread's bulk groups still read their shared memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are still running (writes included).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Register reallocation between warpgroups (each warp of a warpgroup executes it).
 template <int N>
 __device__ __forceinline__ void regs_dec() {
@@ -161,16 +188,32 @@ __device__ __forceinline__ void regs_inc() {
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " " REGS ", " A ", " B ", " SCALE_D \
   ", 1, 1, " TRANS ";\n"
 
-// d (+)= A.B, m64n128k16, A and B from shared memory, both K-major.
-template <bool BF16, int ACCUMULATE>
-__device__ __forceinline__ void wgmma_ss(float (&d)[16][4], unsigned long long a,
+// d (+)= A.B, m64nNk16 (N = 8 NT: 64 or 128), A and B from shared memory, K-major unless
+// TRANS_A / TRANS_B (then MN-major, 16-bit types only).
+template <bool BF16, int ACCUMULATE, int TRANS_A = 0, int TRANS_B = 0, int NT>
+__device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a,
                                          unsigned long long b) {
-  if constexpr (BF16) {
-    asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
-                 : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
+  static_assert(NT == 8 || NT == 16, "wgmma_ss: N must be 64 or 128");
+  if constexpr (NT == 8) {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "%32", "%33", "%34", "%35, %36")
+                   : FLEXC_ACC32(d, 0)
+                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "%32", "%33", "%34", "%35, %36")
+                   : FLEXC_ACC32(d, 0)
+                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
+    }
   } else {
-    asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "%64", "%65", "%66", "0, 0")
-                 : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8) : "l"(a), "l"(b), "n"(ACCUMULATE));
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "%64", "%65", "%66", "%67, %68")
+                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
+                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "%64", "%65", "%66", "%67, %68")
+                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
+                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
+    }
   }
 }
 

@@ -223,11 +223,13 @@ struct BwdCase {
   bool block_mask = true;  // build one (when the mask is not `true`)
   bool broadcast = false;  // over B and H where the mask reads neither
   bool deterministic = true;
+  FwdKernel kernel = FwdKernel::Auto;
 
   std::string describe() const {
-    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}", dtype_name(dtype), B, Hq,
-                       Hkv, Lq, Lkv, D, block_mask ? "" : " dense", broadcast ? " broadcast" : "",
-                       deterministic ? " deterministic" : " atomic dq");
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{} kernel {}", dtype_name(dtype),
+                       B, Hq, Hkv, Lq, Lkv, D, block_mask ? "" : " dense",
+                       broadcast ? " broadcast" : "", deterministic ? " deterministic" : " atomic dq",
+                       to_string(kernel));
   }
 };
 
@@ -287,6 +289,7 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   bo.block_mask = fo.block_mask;
   bo.captures = fo.captures;
   bo.deterministic = c.deterministic;
+  bo.kernel = c.kernel;
   attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
   if (c.deterministic) {
     TensorView tdq2, tdk2, tdv2;
@@ -359,6 +362,30 @@ TEST_CASE("attention_backward names the bad argument", "[attention]") {
   CHECK(detail::bwd_config(128).smem_bytes <= 227 * 1024);
   CHECK_THROWS_WITH(detail::bwd_config(256),
                     "the backward kernel has no head dim 256 (32, 64, 96 or 128)");
+  CHECK(detail::bwd_config_sm90(128).smem_bytes <= 227 * 1024);
+  CHECK_THROWS_WITH(detail::bwd_config_sm90(96),
+                    "the Hopper backward kernel has no head dim 96 (64 or 128)");
+  // Forcing the Hopper kernel where it cannot take the call says why, before any GPU work.
+  BackwardOptions hopper;
+  hopper.kernel = FwdKernel::Hopper;
+  const TensorView k0{mem[1].data(), DType::BF16, {1, 1, 16, 64}, {0, 0, 0, 1}};
+  try {
+    attention_backward(q, k0, k, out, lse, out, {dq, dk, dv, {}}, v, hopper);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("the Hopper kernel needs a nonzero stride on every dim of k"));
+  }
+  const std::vector<int64_t> s96{1, 2, 16, 96}, k96{1, 1, 16, 96};
+  const TensorView q96{mem[0].data(), DType::BF16, s96, {}}, kk96{mem[1].data(), DType::BF16, k96, {}};
+  const TensorView o96{mem[6].data(), DType::BF16, s96, {}}, dq96{mem[3].data(), DType::BF16, s96, {}};
+  const TensorView dk96{mem[4].data(), DType::BF16, k96, {}}, dv96{mem[5].data(), DType::BF16, k96, {}};
+  try {
+    attention_backward(q96, kk96, kk96, o96, lse, o96, {dq96, dk96, dv96, {}}, v, hopper);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) ==
+          "flexc::attention_backward: the Hopper backward kernel has no head dim 96 (64 or 128)");
+  }
 }
 
 TEST_CASE("backward gradients match float64: lengths, GQA, masks, score_mods", "[gpu]") {
@@ -436,6 +463,8 @@ TEST_CASE("backward: every catalogue variant against the reference, lengths, GQA
       c.block_mask = i % 4 != 1;
       c.broadcast = i % 2 == 0;
       c.deterministic = i % 3 != 2;
+      // Auto is the Hopper kernel on an H100 / H200 for D 64 and 128; the portable one also runs.
+      c.kernel = i % 2 == 1 ? FwdKernel::Portable : FwdKernel::Auto;
       INFO(names[vi] << ": " << c.describe());
       const BackwardAccuracy a = run_backward_case(v, c);
       INFO(a.summary());

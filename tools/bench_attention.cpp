@@ -120,7 +120,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> kernel_names{"auto"};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--kernel", kernel_names,
-                 "forward kernels to time, comma-separated: auto, portable, hopper")
+                 "kernels to time (forward, or backward with --backward), comma-separated: auto, "
+                 "portable, hopper")
       ->delimiter(',');
   app.add_option("--reps", reps, "timed repetitions (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype_name_arg, "bf16 or fp16")->check(CLI::IsMember({"bf16", "fp16"}));
@@ -140,7 +141,6 @@ int main(int argc, char** argv) {
     std::vector<FwdKernel> kernels;
     for (const std::string& name : kernel_names) kernels.push_back(parse_fwd_kernel(name));
     jit::Stream stream;
-    if (backward) kernels = {FwdKernel::Auto};  // one backward kernel; the forward is not timed
     fmt::print("| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
                "|---|---|---|---|---|---|---|---|---|\n");
     for (const Case& c : all_cases(backward)) {
@@ -221,6 +221,7 @@ int main(int argc, char** argv) {
       }
       for (FwdKernel kernel : kernels) {  // the same inputs and BlockMask for each kernel
         opts.kernel = kernel;
+        bopts.kernel = kernel;  // (the backward's forward ran once above, with the default)
         std::vector<double> ms;
         for (int r = 0; r < reps + 3; ++r) {
           jit::EventTimer t;
@@ -236,8 +237,10 @@ int main(int argc, char** argv) {
         const double t = median(ms);
         const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
                               double(c.s) * double(c.d) * dens / t * 1e-9;
-        const std::string_view kname =
-            backward ? (atomic_dq ? "bwd_atomic" : "bwd") : to_string(kernel);
+        const std::string kname =
+            backward ? fmt::format("bwd{}{}", atomic_dq ? "_atomic" : "",
+                                   kernel == FwdKernel::Auto ? "" : "_" + std::string(to_string(kernel)))
+                     : std::string(to_string(kernel));
         fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
                    c.s, c.d, B, H, dens, t, tflops);
         if (json)

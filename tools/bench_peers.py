@@ -146,8 +146,11 @@ def run_peers(reps, only, backward):
                 except RuntimeError as e:  # a backend that does not support the shape
                     print(f"# {label} {name} S={s} D={d}: {str(e).splitlines()[0]}", file=sys.stderr)
         bm = create_block_mask(mask_mod, None, None, s, s, device=device) if mask_mod else None
-        row["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm), backward,
-                            (q, k, v) + tuple(learnable), reps)
+        try:
+            row["flex"] = timed(lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm), backward,
+                                (q, k, v) + tuple(learnable), reps)
+        except Exception as e:  # e.g. Inductor finding no kernel config that fits shared memory
+            print(f"# flex {name} S={s} D={d}: {str(e).splitlines()[-1]}", file=sys.stderr)
         row["tflops"] = {k2: flops / t * 1e-9 for k2, t in row.items() if k2 not in ("density",)}
         results[(name, s, d)] = row
         print(f"# {name:15s} S={s:5d} D={d:3d} density {dens:.4f} " +

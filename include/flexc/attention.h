@@ -84,6 +84,10 @@ struct BackwardOptions {
   // gradients still use atomics); measured faster than the atomics except for costly score_mods
   // (softcap: 0.84x; docs/perf.md). false: dq by float32 atomics inside the main kernel.
   bool deterministic = true;
+  // Which main kernel runs, with the forward's choices: Auto takes the Hopper kernel (wgmma, TMA)
+  // on a GPU of compute capability 9.0 for head dims 64 and 128 with BlockMask tiles that are
+  // multiples of 64 x 128 (the default 128 x 128 is), the portable one (mma.sync) otherwise.
+  FwdKernel kernel = FwdKernel::Auto;
 };
 
 // The backward pass of flexc::attention: given the forward's inputs, its output `out` and its

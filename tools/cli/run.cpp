@@ -285,6 +285,7 @@ void run(const Options& o) {
   bo.params = opts.params;
   bo.scale = o.scale;
   bo.deterministic = !o.atomic_dq;
+  bo.kernel = kernel;
   const TensorView out_view = view(out_dev, q), dout_view = view(dout_dev, q);
   // Twice, each from zeroed capture gradients: the first compiles, the second is timed.
   double bwd_first_ms = 0, bwd_ms = 0;
@@ -312,8 +313,9 @@ void run(const Options& o) {
   if (!o.dv.empty()) npy::write(o.dv, npy::from_float(v.shape, gdv));
   for (const auto& [name, file] : capture_grads)
     npy::write(file, npy::from_float(grads.captures[name].shape, gcap[name]));
-  fmt::print("backward ({}): first call {:.1f} ms (compile or cache), kernels {:.3f} ms\n",
-             o.atomic_dq ? "dq by atomics" : "deterministic", bwd_first_ms, bwd_ms);
+  fmt::print("backward ({}, kernel {}): first call {:.1f} ms (compile or cache), kernels {:.3f} ms\n",
+             o.atomic_dq ? "dq by atomics" : "deterministic", to_string(kernel), bwd_first_ms,
+             bwd_ms);
   if (!o.check) return;
 
   if (B * Hq * Lq * Lkv > kMaxBackwardCheckElements)
@@ -361,7 +363,8 @@ const Register reg("run", [](CLI::App& app) {
                   "check at most this many rows, a random sample (default 4096)")
       ->check(int_range(1, int64_t{1} << 40));
   cmd->add_option("--kernel", o->kernel,
-                  "forward kernel: auto (Hopper on sm_90 where it applies), portable or hopper")
+                  "the forward's and the backward's kernel: auto (Hopper on sm_90 where it "
+                  "applies), portable or hopper")
       ->capture_default_str();
   cmd->add_flag("--backward", o->backward,
                 "run the backward pass too: gradients of sum(out * dout) (--check checks them)");
