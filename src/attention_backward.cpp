@@ -247,6 +247,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   // The Hopper main kernel where it runs and takes the call; prep and dq always come from the
   // portable template's compile.
   const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
+  // dq's mode: the faster one for the kernel unless the caller chose (docs/perf.md).
+  const bool deterministic = opts.deterministic.value_or(!hopper);
   const detail::TileConfig main_cfg = hopper ? detail::bwd_config_sm90(int(D)) : cfg;
   const size_t smem = std::max(main_cfg.smem_bytes, detail::bwd_dq_rows_smem(int(D)));
   if (smem > dev.max_smem)
@@ -254,16 +256,16 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                      D, smem / 1024, dev.max_smem / 1024));
 
   const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
-  const jit::KernelSpec portable_spec = opts.deterministic
+  const jit::KernelSpec portable_spec = deterministic
                                             ? jit::attention_bwd_deterministic_spec(kc)
                                             : jit::attention_bwd_spec(kc);
   const jit::KernelSpec main_spec =
       !hopper               ? portable_spec
-      : opts.deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
+      : deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
                            : jit::attention_bwd_sm90_spec(kc);
   jit::KernelSpec prep_spec = portable_spec, dq_spec = portable_spec;
   prep_spec.entry = "flexc_attention_bwd_prep";
-  dq_spec.entry = opts.deterministic ? "flexc_attention_bwd_dq_rows" : "flexc_attention_bwd_dq";
+  dq_spec.entry = deterministic ? "flexc_attention_bwd_dq_rows" : "flexc_attention_bwd_dq";
   const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
   const std::vector<const jit::Kernel*> kernels = jit::get_kernels(variant, specs);
   const size_t dq_rows_smem = detail::bwd_dq_rows_smem(int(D));
@@ -273,7 +275,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   // kernel adds into it with bulk copies).
   const int64_t delta_floats = (rows + 63) / 64 * 64;
   const StreamBuffer work(
-      static_cast<size_t>(delta_floats + (opts.deterministic ? 0 : rows * D)) * sizeof(float),
+      static_cast<size_t>(delta_floats + (deterministic ? 0 : rows * D)) * sizeof(float),
       opts.stream);
   FlexcAttentionBwdParams p{};
   FlexcAttentionParams& f = p.fwd;
@@ -292,7 +294,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;
   p.delta = reinterpret_cast<float*>(work.ptr());
-  p.dq_accum = opts.deterministic ? nullptr : p.delta + delta_floats;
+  p.dq_accum = deterministic ? nullptr : p.delta + delta_floats;
   FlexcBlockMask bm{};
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
 
@@ -317,7 +319,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     kernels[1]->launch(unsigned((kv_len + main_cfg.block_n - 1) / main_cfg.block_n), unsigned(Hkv),
                        unsigned(B), unsigned(main_cfg.threads), main_cfg.smem_bytes, opts.stream,
                        main_argv.data());
-  if (q_len > 0 && opts.deterministic)
+  if (q_len > 0 && deterministic)
     kernels[2]->launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq),
                        unsigned(B), unsigned(cfg.threads), dq_rows_smem, opts.stream, main_args);
   else if (q_len > 0)

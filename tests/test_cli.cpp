@@ -112,6 +112,9 @@ TEST_CASE("backward options of flexc run are checked before the GPU is needed", 
   refused("run @noop --random 1,2,2,16,16,64 --dq /tmp/dq.npy", "--dq needs --backward");
   refused("run @noop --random 1,2,2,16,16,64 --dout /tmp/dout.npy", "--dout needs --backward");
   refused("run @noop --random 1,2,2,16,16,64 --atomic-dq", "--atomic-dq needs --backward");
+  refused("run @noop --random 1,2,2,16,16,64 --deterministic", "--deterministic needs --backward");
+  refused("run @noop --random 1,2,2,16,16,64 --backward --atomic-dq --deterministic",
+          "--atomic-dq and --deterministic exclude each other");
   refused("run @alibi --random 1,2,2,16,16,64 --backward --capture-grad slope=/tmp/g.npy",
           "--capture-grad slope: pass the capture too (--capture slope=FILE.npy)");
   refused("run @alibi --random 1,2,2,16,16,64 --backward --capture-grad bias=/tmp/g.npy",

@@ -6,7 +6,7 @@
 // by the clamped relative position).
 //
 //   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward
-//                   [--atomic-dq]] [--json]
+//                   [--atomic-dq | --deterministic]] [--json]
 //
 // FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention), density = the exact fraction of (q, kv) pairs the mask
 // keeps (tools/bench_peers.py uses the same, so the peers' TFLOP/s compare directly). Time: CUDA
@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> only;
   int reps = 20;
   std::string dtype_name_arg = "bf16";
-  bool json = false, backward = false, atomic_dq = false;
+  bool json = false, backward = false, atomic_dq = false, deterministic = false;
   std::vector<std::string> kernel_names{"auto"};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--kernel", kernel_names,
@@ -128,10 +128,16 @@ int main(int argc, char** argv) {
   app.add_flag("--backward", backward,
                "time flexc::attention_backward (after one forward for out and LSE) instead");
   app.add_flag("--atomic-dq", atomic_dq,
-               "with --backward: dq by atomics in the main kernel (BackwardOptions::deterministic "
-               "= false)");
+               "with --backward: BackwardOptions::deterministic = false (default: unset, the "
+               "faster for the kernel)");
+  app.add_flag("--deterministic", deterministic,
+               "with --backward: BackwardOptions::deterministic = true");
   app.add_flag("--json", json, "also print one JSON object per case (for tools/bench_peers.py)");
   CLI11_PARSE(app, argc, argv);
+  if (atomic_dq && deterministic) {
+    std::fprintf(stderr, "bench_attention: --atomic-dq and --deterministic exclude each other\n");
+    return 2;
+  }
   try {
     if (!jit::gpu_available()) {
       std::fprintf(stderr, "bench_attention: no GPU\n");
@@ -217,7 +223,7 @@ int main(int argc, char** argv) {
         bopts.block_mask = opts.block_mask;
         bopts.captures = opts.captures;
         bopts.stream = stream.get();
-        bopts.deterministic = !atomic_dq;
+        if (atomic_dq || deterministic) bopts.deterministic = deterministic;
       }
       for (FwdKernel kernel : kernels) {  // the same inputs and BlockMask for each kernel
         opts.kernel = kernel;
@@ -238,7 +244,7 @@ int main(int argc, char** argv) {
         const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
                               double(c.s) * double(c.d) * dens / t * 1e-9;
         const std::string kname =
-            backward ? fmt::format("bwd{}{}", atomic_dq ? "_atomic" : "",
+            backward ? fmt::format("bwd{}{}", atomic_dq ? "_atomic" : deterministic ? "_det" : "",
                                    kernel == FwdKernel::Auto ? "" : "_" + std::string(to_string(kernel)))
                      : std::string(to_string(kernel));
         fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,

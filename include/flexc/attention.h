@@ -79,11 +79,13 @@ struct BackwardOptions {
   // [B, Hq, Q_LEN], contiguous.
   std::optional<TensorView> dlse;
   CUstream_st* stream = nullptr;
-  // true (the default): dq by a second kernel that walks each q tile's row and recomputes what
-  // dq needs, without atomics, so dq, dk and dv are bitwise identical across runs (capture
-  // gradients still use atomics); measured faster than the atomics except for costly score_mods
-  // (softcap: 0.84x; docs/perf.md). false: dq by float32 atomics inside the main kernel.
-  bool deterministic = true;
+  // true: dq by a second kernel that walks each q tile's row and recomputes what dq needs,
+  // without atomics, so dq, dk and dv are bitwise identical across runs (capture gradients still
+  // use atomics). false: dq added in float32 inside the main kernel (atomics, or bulk reduce-adds
+  // on Hopper), whose order varies. Unset (the default): the faster for the kernel that runs,
+  // measured at 16k (docs/perf.md): false for the Hopper kernel (1.3x), true for the portable one
+  // (1.5-1.7x).
+  std::optional<bool> deterministic;
   // Which main kernel runs, with the forward's choices: Auto takes the Hopper kernel (wgmma, TMA)
   // on a GPU of compute capability 9.0 for head dims 64 and 128 with BlockMask tiles that are
   // multiples of 64 x 128 (the default 128 x 128 is), the portable one (mma.sync) otherwise.
@@ -92,9 +94,9 @@ struct BackwardOptions {
 
 // The backward pass of flexc::attention: given the forward's inputs, its output `out` and its
 // `lse` (float32 [B, Hq, Q_LEN], contiguous: pass AttentionOptions::lse to the forward), and
-// dout = dL/dout, writes dq, dk, dv and adds the capture gradients (docs/attention.md). dq, dk
-// and dv are deterministic (dq with atomics when opts.deterministic is false); capture gradients
-// are accumulated with float32 atomics. D in {32,
+// dout = dL/dout, writes dq, dk, dv and adds the capture gradients (docs/attention.md). dk and
+// dv are bitwise reproducible, dq too with opts.deterministic = true; capture gradients are
+// accumulated with float32 atomics. D in {32,
 // 64, 96, 128}; BlockMask tiles multiples of 64 x 64. Enqueued on opts.stream with stream-ordered
 // workspace (B * Hq * Q_LEN * (D + 1) floats); throws flexc::Error naming the argument.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -32,7 +32,7 @@ namespace {
 struct Options {
   std::string config, q, k, v, out, lse, random, dtype = "bf16";
   std::vector<std::string> captures, params;  // NAME=VALUE
-  bool backward = false, atomic_dq = false;
+  bool backward = false, atomic_dq = false, deterministic = false;
   std::string dout, dq, dk, dv;
   std::vector<std::string> capture_grads;  // NAME=FILE
   std::optional<double> scale;
@@ -127,8 +127,12 @@ void run(const Options& o) {
     for (const auto& [flag, value] : {std::pair{"--dout", &o.dout}, {"--dq", &o.dq},
                                       {"--dk", &o.dk}, {"--dv", &o.dv}})
       if (!value->empty()) throw Error(fmt::format("{} needs --backward", flag));
-  if (!o.backward && (!capture_grads.empty() || o.atomic_dq))
-    throw Error(fmt::format("{} needs --backward", o.atomic_dq ? "--atomic-dq" : "--capture-grad"));
+  if (!o.backward && (!capture_grads.empty() || o.atomic_dq || o.deterministic))
+    throw Error(fmt::format("{} needs --backward", o.atomic_dq       ? "--atomic-dq"
+                                                   : o.deterministic ? "--deterministic"
+                                                                     : "--capture-grad"));
+  if (o.atomic_dq && o.deterministic)
+    throw Error("--atomic-dq and --deterministic exclude each other");
   for (const auto& [name, file] : capture_grads) {
     auto spec = std::find_if(variant.captures().begin(), variant.captures().end(),
                              [&](const CaptureSpec& c) { return c.name == name; });
@@ -284,7 +288,7 @@ void run(const Options& o) {
   bo.captures = opts.captures;
   bo.params = opts.params;
   bo.scale = o.scale;
-  bo.deterministic = !o.atomic_dq;
+  if (o.atomic_dq || o.deterministic) bo.deterministic = o.deterministic;
   bo.kernel = kernel;
   const TensorView out_view = view(out_dev, q), dout_view = view(dout_dev, q);
   // Twice, each from zeroed capture gradients: the first compiles, the second is timed.
@@ -314,7 +318,8 @@ void run(const Options& o) {
   for (const auto& [name, file] : capture_grads)
     npy::write(file, npy::from_float(grads.captures[name].shape, gcap[name]));
   fmt::print("backward ({}, kernel {}): first call {:.1f} ms (compile or cache), kernels {:.3f} ms\n",
-             o.atomic_dq ? "dq by atomics" : "deterministic", to_string(kernel), bwd_first_ms,
+             o.atomic_dq ? "dq by atomics" : o.deterministic ? "deterministic" : "dq mode auto",
+             to_string(kernel), bwd_first_ms,
              bwd_ms);
   if (!o.check) return;
 
@@ -376,7 +381,10 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--capture-grad", o->capture_grads,
                   "with --backward: write a float32 capture's gradient, NAME=FILE.npy (repeatable)");
   cmd->add_flag("--atomic-dq", o->atomic_dq,
-                "with --backward: dq by float32 atomics (not bitwise reproducible)");
+                "with --backward: dq added in float32 inside the main kernel (not bitwise "
+                "reproducible; default: the faster mode for the kernel)");
+  cmd->add_flag("--deterministic", o->deterministic,
+                "with --backward: dq without atomics, bitwise reproducible");
   cmd->add_flag("--dense", o->dense, "no BlockMask: visit every tile, mask_mod on each");
   cmd->callback([o] { run(*o); });
 });
