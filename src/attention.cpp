@@ -105,18 +105,36 @@ FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
   return out;
 }
 
+std::string hopper_misfit(std::string_view kernel, TileConfig (*config)(int), int D,
+                          const BlockMask* bm,
+                          std::initializer_list<std::pair<const char*, const TensorView*>> tensors) {
+  if (!sm90_supports(D)) return fmt::format("the {} has no head dim {} (64 or 128)", kernel, D);
+  const TileConfig c = config(D);
+  if (bm && !tiles_fit(*bm, c.block_m, c.block_n))
+    return fmt::format("block_mask tiles {} x {} must be multiples of the {}'s {} x {}",
+                       bm->q_tile(), bm->kv_tile(), kernel, c.block_m, c.block_n);
+  for (auto [name, t] : tensors)
+    if (!tma_fits(*t))
+      return fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
+                         "1 (below 2^39 elements); {}",
+                         name, t->describe());
+  return {};
+}
+
 }  // namespace detail
 
 namespace jit {
-
-namespace {
 
 void check_dtype(std::string_view kernel, const KernelConfig& cfg) {
   if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
     throw Error(fmt::format("{}: dtype '{}' is not supported (bf16 or fp16)", kernel, cfg.dtype));
 }
 
-}  // namespace
+void check_sm90_arch(std::string_view kernel, const KernelConfig& cfg) {
+  // wgmma exists only in the arch-specific sm_90a target.
+  if (!cfg.arch.empty() && cfg.arch != "sm_90" && cfg.arch != "sm_90a")
+    throw Error(fmt::format("{} is built for sm_90a (wgmma); not for '{}'", kernel, cfg.arch));
+}
 
 KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
   const detail::TileConfig c = detail::fwd_config(cfg.head_dim);
@@ -135,10 +153,7 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
   const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim);
   check_dtype("attention_fwd_sm90", cfg);
-  // wgmma exists only in the arch-specific sm_90a target.
-  if (!cfg.arch.empty() && cfg.arch != "sm_90" && cfg.arch != "sm_90a")
-    throw Error(fmt::format("attention_fwd_sm90 is built for sm_90a (wgmma); not for '{}'",
-                            cfg.arch));
+  check_sm90_arch("attention_fwd_sm90", cfg);
   return {"attention_fwd_sm90.cuh",
           "flexc_attention_fwd_sm90",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -158,22 +173,6 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 constexpr std::string_view kWhat = "flexc::attention";
 [[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
-// Why the Hopper kernel cannot run a call of head dim D with these inputs; empty when it can.
-std::string hopper_misfit_reason(int D, const BlockMask* bm, const TensorView& q,
-                                 const TensorView& k, const TensorView& v) {
-  if (!detail::sm90_supports(D))
-    return fmt::format("the Hopper kernel has no head dim {} (64 or 128)", D);
-  const detail::TileConfig hopper = detail::fwd_config_sm90(D);
-  if (bm && !detail::tiles_fit(*bm, hopper.block_m, hopper.block_n))
-    return fmt::format("block_mask tiles {} x {} must be multiples of the Hopper kernel's 128 x 128",
-                       bm->q_tile(), bm->kv_tile());
-  for (auto [name, t] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}})
-    if (!detail::tma_fits(*t))
-      return fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
-                         "1 (below 2^39 elements); {}",
-                         name, t->describe());
-  return {};
-}
 
 }  // namespace
 
@@ -219,7 +218,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128 or 256)", D));
   const detail::TileConfig portable = detail::fwd_config(static_cast<int>(D));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
-  const std::string hopper_misfit = hopper_misfit_reason(int(D), opts.block_mask, q, k, v);
+  const std::string hopper_misfit =
+      detail::hopper_misfit("Hopper kernel", &detail::fwd_config_sm90, int(D), opts.block_mask,
+                            {{"q", &q}, {"k", &k}, {"v", &v}});
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))

@@ -62,8 +62,7 @@ namespace {
 
 KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config(cfg.head_dim);
-  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
-    throw Error(fmt::format("attention_bwd: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
+  check_dtype("attention_bwd", cfg);
   return {"attention_bwd.cuh",
           "flexc_attention_bwd",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -77,12 +76,8 @@ KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
 
 KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config_sm90(cfg.head_dim);
-  if (cfg.dtype != "bf16" && cfg.dtype != "fp16")
-    throw Error(
-        fmt::format("attention_bwd_sm90: dtype '{}' is not supported (bf16 or fp16)", cfg.dtype));
-  if (!cfg.arch.empty() && cfg.arch != "sm_90" && cfg.arch != "sm_90a")
-    throw Error(fmt::format("attention_bwd_sm90 is built for sm_90a (wgmma); not for '{}'",
-                            cfg.arch));
+  check_dtype("attention_bwd_sm90", cfg);
+  check_sm90_arch("attention_bwd_sm90", cfg);
   return {"attention_bwd_sm90.cuh",
           "flexc_attention_bwd_sm90",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -193,20 +188,9 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, cfg.block_m,
                              cfg.block_n);
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
-  std::string hopper_misfit;
-  if (!detail::sm90_supports(int(D)))
-    hopper_misfit = fmt::format("the Hopper backward kernel has no head dim {} (64 or 128)", D);
-  else if (opts.block_mask && !detail::tiles_fit(*opts.block_mask, 64, 128))
-    hopper_misfit = fmt::format(
-        "block_mask tiles {} x {} must be multiples of the Hopper backward kernel's 64 x 128",
-        opts.block_mask->q_tile(), opts.block_mask->kv_tile());
-  else
-    for (auto [name, t] : {std::pair{"q", &q}, {"dout", &dout}, {"k", &k}, {"v", &v}})
-      if (hopper_misfit.empty() && !detail::tma_fits(*t))
-        hopper_misfit = fmt::format(
-            "the Hopper kernel needs a nonzero stride on every dim of {} longer than 1 (below "
-            "2^39 elements); {}",
-            name, t->describe());
+  const std::string hopper_misfit =
+      detail::hopper_misfit("Hopper backward kernel", &detail::bwd_config_sm90, int(D),
+                            opts.block_mask, {{"q", &q}, {"dout", &dout}, {"k", &k}, {"v", &v}});
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
 
   const detail::VariantImpl& impl = detail::impl_of(variant);

@@ -6,8 +6,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <utility>
 
 #include "../templates/attention_params.cuh"
+#include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 #include "jit/kernels.h"
 
@@ -40,6 +45,12 @@ bool tma_fits(const TensorView& t);
 // The TMA descriptor of a [B, H, S, D] bf16 / fp16 tensor for the Hopper kernels: boxes of 64
 // columns (one 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
 FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows);
+// Why a Hopper kernel (`kernel`: "Hopper kernel", "Hopper backward kernel"; `config` its
+// configuration per head dim) cannot take a call of head dim D with these TMA-loaded tensors and
+// BlockMask; empty when it can.
+std::string hopper_misfit(std::string_view kernel, TileConfig (*config)(int), int D,
+                          const BlockMask* bm,
+                          std::initializer_list<std::pair<const char*, const TensorView*>> tensors);
 
 }  // namespace flexc::detail
 
@@ -63,5 +74,10 @@ KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
 // attention_bwd_deterministic_spec's flexc_attention_bwd_dq_rows.
 KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg);
+
+// Throws flexc::Error (naming `kernel`) unless cfg.dtype is bf16 or fp16.
+void check_dtype(std::string_view kernel, const KernelConfig& cfg);
+// Throws flexc::Error unless cfg.arch is empty, sm_90 or sm_90a (wgmma needs sm_90a).
+void check_sm90_arch(std::string_view kernel, const KernelConfig& cfg);
 
 }  // namespace flexc::jit
