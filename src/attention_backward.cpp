@@ -256,11 +256,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 
   const int64_t rows = B * Hq * q_len;
   // delta, and (unless deterministic) the float32 dQ accumulator, 256-byte aligned (the Hopper
-  // kernel adds into it with bulk copies).
+  // kernel adds into it with bulk copies) in blocks of 64 q rows per head (DqAccum in
+  // templates/attention_tile.cuh).
   const int64_t delta_floats = (rows + 63) / 64 * 64;
-  const StreamBuffer work(
-      static_cast<size_t>(delta_floats + (deterministic ? 0 : rows * D)) * sizeof(float),
-      opts.stream);
+  const int64_t dq_floats = deterministic ? 0 : B * Hq * ((q_len + 63) / 64 * 64) * D;
+  const StreamBuffer work(static_cast<size_t>(delta_floats + dq_floats) * sizeof(float),
+                          opts.stream);
   FlexcAttentionBwdParams p{};
   FlexcAttentionParams& f = p.fwd;
   f.q = q.data, f.k = k.data, f.v = v.data, f.o = out.data;

@@ -64,13 +64,6 @@ using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Kv>;
 using QSchedule = flexc_attn::QSchedule<kBlockM>;
 constexpr bool kGrad = !FlexcVariant::kScoreGradIsOne;
 
-// dS = P (dP - delta) d score_mod / d score, in place of dP; where P is 0 (masked, past a length,
-// a score_mod of -inf) dS is exactly 0 whatever the derivative there.
-__device__ __forceinline__ float dscore(float p, float dp, float delta, float grad) {
-  const float ds = p * (dp - delta) * (kGrad ? grad : 1.f);
-  return p == 0.f ? 0.f : ds;
-}
-
 }  // namespace flexc_bwd
 
 // delta = rowsum(dO * O) - dlse, one warp per row; zeroes the row's dQ accumulator.
@@ -93,8 +86,10 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int m = 16; m >= 1; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
   const long long r = (static_cast<long long>(b) * p.fwd.q_heads + h) * p.fwd.q_len + row;
   if (lane == 0) p.delta[r] = p.dlse ? sum - p.dlse[r] : sum;
-  if (p.dq_accum != nullptr)
-    for (int c = lane; c < kD; c += 32) p.dq_accum[r * kD + c] = 0.f;
+  if (p.dq_accum != nullptr) {
+    float* acc = p.dq_accum + flexc_attn::DqAccum<kD>::block(p.fwd, b, h, row);
+    for (int c = lane; c < kD; c += 32) acc[flexc_attn::DqAccum<kD>::offset(row % 64, c)] = 0.f;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
@@ -248,8 +243,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
           FlexcVariant::accumulate_capture_grads(args, capture_grads, ds, x[j][e], b, hq, q_idx,
                                                  kv_idx, p.q_len, p.kv_len);
       }
-      dp[0][j][e] = dscore(pv, dp[0][j][e], delta[j * 8 + (lane & 3) * 2 + (e & 1)],
-                           grad[0][kGrad ? j : 0][e]);
+      dp[0][j][e] = dscore<kGrad>(pv, dp[0][j][e], delta[j * 8 + (lane & 3) * 2 + (e & 1)],
+                                  grad[0][kGrad ? j : 0][e]);
     });
 
     // dK += dS^T Q
@@ -284,19 +279,18 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
           ldmatrix_x4_trans(bf, frag_b_kv(k_tile, kk, n / 8));
         });
       }
-      float* acc = bp.dq_accum + ((static_cast<long long>(b) * p.q_heads + hq) * p.q_len) * kD;
 #pragma unroll
       for (int i = 0; i < kMQ; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int q = q0 + warp * kQRows + i * 16 + (lane >> 2) + r * 8;
           if (q < p.q_len) {
+            float* acc = bp.dq_accum + flexc_attn::DqAccum<kD>::block(p, b, hq, q);
 #pragma unroll
             for (int j = 0; j < kDT; ++j) {
-              atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2,
-                        dq[i][j][2 * r]);
-              atomicAdd(acc + static_cast<long long>(q) * kD + j * 8 + (lane & 3) * 2 + 1,
-                        dq[i][j][2 * r + 1]);
+              const int c = j * 8 + (lane & 3) * 2;
+              atomicAdd(acc + flexc_attn::DqAccum<kD>::offset(q % 64, c), dq[i][j][2 * r]);
+              atomicAdd(acc + flexc_attn::DqAccum<kD>::offset(q % 64, c + 1), dq[i][j][2 * r + 1]);
             }
           }
         }
@@ -332,13 +326,16 @@ extern "C" __global__ void __launch_bounds__(256)
   const int h = blockIdx.y, b = blockIdx.z;
   const int row = static_cast<int>(i / kChunks), ch = static_cast<int>(i % kChunks);
   if (row >= p.fwd.q_len) return;
-  const float* acc =
-      p.dq_accum + ((static_cast<long long>(b) * p.fwd.q_heads + h) * p.fwd.q_len + row) * kD +
-      ch * 8;
+  // Each pair of columns is one float2 of the accumulator's layout (attention_tile.cuh).
+  const float* acc = p.dq_accum + flexc_attn::DqAccum<kD>::block(p.fwd, b, h, row);
   uint4 out;
   unsigned* w = reinterpret_cast<unsigned*>(&out);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) w[k] = pack2<kBf16>(acc[2 * k] * p.fwd.scale, acc[2 * k + 1] * p.fwd.scale);
+  for (int k = 0; k < 4; ++k) {
+    const float2 a = *reinterpret_cast<const float2*>(
+        acc + flexc_attn::DqAccum<kD>::offset(row % 64, ch * 8 + 2 * k));
+    w[k] = pack2<kBf16>(a.x * p.fwd.scale, a.y * p.fwd.scale);
+  }
   auto* dq = static_cast<unsigned short*>(p.dq) + b * p.dq_stride[0] + h * p.dq_stride[1];
   *reinterpret_cast<uint4*>(dq + row * p.dq_stride[2] + ch * 8) = out;
 }
@@ -435,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float pv = p_from_lse(s[0][j][e], to_log2, lse2[e >> 1]);
-        dp[0][j][e] = dscore(pv, dp[0][j][e], delta[e >> 1], grad[0][kGrad ? j : 0][e]);
+        dp[0][j][e] = dscore<kGrad>(pv, dp[0][j][e], delta[e >> 1], grad[0][kGrad ? j : 0][e]);
       }
     // dQ += dS K
 #pragma unroll

@@ -37,7 +37,7 @@ struct FlexcAttentionBwdParams {
   long long dv_stride[3];
   const float* dlse;  // may be null; [batch, q_heads, q_len] contiguous
   float* delta;       // [batch, q_heads, q_len] workspace
-  float* dq_accum;    // [batch, q_heads, q_len, head_dim] workspace
+  float* dq_accum;    // workspace in flexc_attn::DqAccum's layout (attention_tile.cuh)
 };
 
 // A TMA descriptor (the driver's CUtensorMap, built by cuTensorMapEncodeTiled), passed by value as

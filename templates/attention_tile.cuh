@@ -265,6 +265,32 @@ __device__ __forceinline__ void keep_pre_mod(const float (&s)[NT][4], float scal
   }
 }
 
+// The backward's float32 dQ accumulator (FlexcAttentionBwdParams::dq_accum): per (batch, query
+// head), blocks of 64 q rows (the last one padded to 64), each block in the order in which the
+// Hopper kernel's two consumer warpgroups hold their halves of dQ (columns [0, D/2) and
+// [D/2, D)) as m64 wgmma fragments: half, n8 column tile j, thread t of the warpgroup, then the
+// fragment's 4 floats. So a warpgroup stages its half with conflict-free 16-byte stores and adds
+// it with one contiguous bulk reduce; the other kernels address it element by element.
+template <int D>
+struct DqAccum {
+  static constexpr int kRows = 64;
+  static constexpr int kHalfCols = D / 2;
+  static constexpr int kHalfFloats = kRows * kHalfCols;
+  // Offset of the block holding q row `q` of head (b, h).
+  __device__ __forceinline__ static long long block(const FlexcAttentionParams& p, int b, int h,
+                                                    int q) {
+    const int blocks = (p.q_len + kRows - 1) / kRows;
+    return ((static_cast<long long>(b) * p.q_heads + h) * blocks + q / kRows) * (kRows * D);
+  }
+  // Offset of (row r, column c) inside a block; r < 64, c < D.
+  __device__ __forceinline__ static int offset(int r, int c) {
+    const int half = c / kHalfCols, cc = c % kHalfCols, r16 = r & 15;
+    const int t = (r >> 4) * 32 + (r16 & 7) * 4 + ((cc & 7) >> 1);
+    const int e = (r16 >> 3) * 2 + (cc & 1);
+    return half * kHalfFloats + ((cc >> 3) * 128 + t) * 4 + e;
+  }
+};
+
 // Writes a warp's MT x DT C fragments, row (i, r) times factor(i, r), into rows [tile_row,
 // tile_row + 16 MT) of a staging tile (shared memory in Tile's layout), in the input type.
 template <class Tile, bool BF16, int MT, int DT, class Factor>

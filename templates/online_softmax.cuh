@@ -27,6 +27,13 @@ __device__ __forceinline__ float lse_log2(const float* lse, long long at, bool v
 __device__ __forceinline__ float p_from_lse(float s, float to_log2, float lse2) {
   return exp2_approx(fmaf(s, to_log2, -lse2));
 }
+// dS = P (dP - delta) d score_mod / d score (GRAD: the derivative `grad`, else 1); where P is 0
+// (masked, past a length, a score_mod of -inf) dS is exactly 0 whatever the derivative there.
+template <bool GRAD>
+__device__ __forceinline__ float dscore(float p, float dp, float delta, float grad) {
+  const float ds = p * (dp - delta) * (GRAD ? grad : 1.f);
+  return p == 0.f ? 0.f : ds;
+}
 
 template <int MT, int NT>
 struct OnlineSoftmax {

@@ -78,6 +78,10 @@ struct FragAddr {
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+// A store to shared memory by its 32-bit address (no 64-bit generic pointer to keep live).
+__device__ __forceinline__ void st_shared(unsigned addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
+}
 
 // 16-byte global -> shared copy that bypasses L1; `valid == false` writes zeros and reads nothing
 // (so `src` may point past the tensor), for rows past a sequence's end: zeros keep

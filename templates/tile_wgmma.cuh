@@ -39,11 +39,14 @@ struct Sw128Tile {
   __device__ __forceinline__ static unsigned long long k_major(unsigned tile, int row0, int col0) {
     return desc(tile + (col0 >> 6) * kPanelBytes + row0 * 128 + (col0 & 63) * 2, 16, 1024);
   }
-  // Descriptor of rows [row0, row0 + 16) x all columns as an MN-major B operand (K = rows,
-  // N = columns, contiguous): 8-row groups 1024 bytes apart along K, 64-column panels
-  // kPanelBytes apart along N. Used with the transpose flag (V in O += P.V).
-  __device__ __forceinline__ static unsigned long long mn_major(unsigned tile, int row0) {
-    return desc(tile + row0 * 128, kPanelBytes, 1024);
+  // Descriptor of rows [row0, row0 + 16) x columns [col0, ...) as an MN-major operand (K = rows,
+  // M or N = columns, contiguous): 8-row groups 1024 bytes apart along K, 64-column panels
+  // kPanelBytes apart along N. Used with the transpose flag (V in O += P.V). Like k_major, a
+  // start inside a panel moves the address and the hardware swizzles the final one.
+  __device__ __forceinline__ static unsigned long long mn_major(unsigned tile, int row0,
+                                                               int col0 = 0) {
+    return desc(tile + (col0 >> 6) * kPanelBytes + row0 * 128 + (col0 & 63) * 2, kPanelBytes,
+                1024);
   }
 
  private:
@@ -177,6 +180,8 @@ __device__ __forceinline__ void regs_inc() {
 #define FLEXC_ACC32(d, j)                                                                     \
   FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3),         \
       FLEXC_ACC4(d, j + 4), FLEXC_ACC4(d, j + 5), FLEXC_ACC4(d, j + 6), FLEXC_ACC4(d, j + 7)
+#define FLEXC_ACC16(d, j) FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3)
+#define FLEXC_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FLEXC_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FLEXC_REGS64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
@@ -188,13 +193,23 @@ __device__ __forceinline__ void regs_inc() {
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " " REGS ", " A ", " B ", " SCALE_D \
   ", 1, 1, " TRANS ";\n"
 
-// d (+)= A.B, m64nNk16 (N = 8 NT: 64 or 128), A and B from shared memory, K-major unless
+// d (+)= A.B, m64nNk16 (N = 8 NT: 32, 64 or 128), A and B from shared memory, K-major unless
 // TRANS_A / TRANS_B (then MN-major, 16-bit types only).
 template <bool BF16, int ACCUMULATE, int TRANS_A = 0, int TRANS_B = 0, int NT>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a,
                                          unsigned long long b) {
-  static_assert(NT == 8 || NT == 16, "wgmma_ss: N must be 64 or 128");
-  if constexpr (NT == 8) {
+  static_assert(NT == 4 || NT == 8 || NT == 16, "wgmma_ss: N must be 32, 64 or 128");
+  if constexpr (NT == 4) {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n32k16", "bf16", FLEXC_REGS16, "%16", "%17", "%18", "%19, %20")
+                   : FLEXC_ACC16(d, 0)
+                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "%16", "%17", "%18", "%19, %20")
+                   : FLEXC_ACC16(d, 0)
+                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
+    }
+  } else if constexpr (NT == 8) {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "%32", "%33", "%34", "%35, %36")
                    : FLEXC_ACC32(d, 0)
@@ -253,6 +268,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[
 #undef FLEXC_WGMMA
 #undef FLEXC_REGS64
 #undef FLEXC_REGS32
+#undef FLEXC_REGS16
+#undef FLEXC_ACC16
 #undef FLEXC_ACC32
 #undef FLEXC_ACC4
 

@@ -157,7 +157,7 @@ TEST_CASE("the reference gives rows without an unmasked element output 0 and LSE
   }
 }
 
-TEST_CASE("ref rounds where the kernel rounds; the tolerance rule", "[reference]") {
+TEST_CASE("ref rounds where the kernel rounds, and the tolerance rule", "[reference]") {
   const Variant causal = Variant::from_catalogue("causal");
   double err[2];
   for (DType d : {DType::BF16, DType::F16}) {
@@ -573,7 +573,7 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
   }
 }
 
-TEST_CASE("the backward kernel builds for every variant; spills bounded", "[attention][catalogue]") {
+TEST_CASE("the backward kernel builds for every variant with bounded spills", "[attention][catalogue]") {
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
     for (int d : {64, 128}) {
@@ -588,10 +588,14 @@ TEST_CASE("the backward kernel builds for every variant; spills bounded", "[atte
   }
 }
 
-TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous; spills bounded",
+TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous with bounded spills",
           "[attention][catalogue]") {
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
+    const detail::VariantImpl& impl = flexc::detail::impl_of(v);
+    const bool capture_grads =
+        dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name})
+            .find("kHasCaptureGrads = true") != std::string::npos;
     for (int d : {64, 128})
       for (bool deterministic : {false, true}) {
         const std::string log = ptxas_log(
@@ -599,9 +603,12 @@ TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous; spills boun
                              : jit::attention_bwd_sm90_spec({"sm_90", "bf16", d}));
         INFO(name << " D " << d << (deterministic ? " deterministic" : "") << "\n" << log);
         CHECK(log.find("C751") == std::string::npos);
-        // Consumers have 232 registers, dK and dV of D = 128 take 128 of them: D 128 spills up
-        // to 212 bytes today (t5_bias; softcap 140, alibi 144; docs/perf.md), D 64 none.
-        CHECK(spill_bytes(log, "flexc_attention_bwd_sm90") <= (d == 64 ? 0 : 256));
+        // The producer's 24 registers hold its schedule with 56-64 bytes of spills; consumers
+        // (240) spill none at D 64. At D 128 dK and dV take 128 of them: up to 172 bytes (softcap)
+        // with one consumer instance, up to 852 with the capture-gradient instance as well
+        // (t5_bias; docs/perf.md).
+        CHECK(spill_bytes(log, "flexc_attention_bwd_sm90") <=
+              (d == 64 ? 64 : capture_grads ? 900 : 200));
       }
   }
 }

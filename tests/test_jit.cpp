@@ -409,7 +409,7 @@ TEST_CASE("cache damage a hostile user can do is bypassed with a warning and the
   fs::permissions(cache.dir.path, fs::perms::owner_all);
 }
 
-TEST_CASE("a held lock delays a compile only up to the timeout; leftovers are cleaned", "[jit]") {
+TEST_CASE("a held lock delays a compile only up to the timeout, and leftovers are cleaned", "[jit]") {
   FreshCache cache;
   ScopedEnv t("FLEXC_CACHE_LOCK_TIMEOUT", "0.3");
   const Variant v = fresh_variant();
@@ -451,7 +451,7 @@ TEST_CASE("a held lock delays a compile only up to the timeout; leftovers are cl
   }
 }
 
-TEST_CASE("one key compiles once across threads; several keys at once", "[jit]") {
+TEST_CASE("one key compiles once across threads, several keys at once", "[jit]") {
   FreshCache cache;
   const Variant v = fresh_variant();
   const CacheCounters c0 = cache_counters();
