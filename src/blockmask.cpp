@@ -6,9 +6,10 @@
 
 #include "blockmask_impl.h"
 #include "file_read.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
-#include "jit/jit.h"
 #include "jit/abi.h"
+#include "jit/jit.h"
 
 namespace flexc {
 namespace detail {
@@ -101,8 +102,8 @@ BlockMask create_block_mask(const Variant& v, int64_t B, int64_t H, int64_t q_le
   const auto t0 = Clock::now();
   const MaskProblem p = detail::resolve_problem(v, B, H, q_len, kv_len, opts);
   const bool gpu =
-      opts.device == BuildDevice::Gpu || (opts.device == BuildDevice::Auto && jit::gpu_available());
-  if (gpu && !jit::gpu_available())
+      opts.device == BuildDevice::Gpu || (opts.device == BuildDevice::Auto && flexc::gpu_available());
+  if (gpu && !flexc::gpu_available())
     throw Error(fmt::format("create_block_mask for '{}': device = gpu, but no GPU is available",
                             p.variant_name));
   auto s = new_state(p.nb, p.nh, q_len, kv_len, p.q_tile, p.kv_tile);
@@ -295,7 +296,7 @@ const FlexcBlockMask& device_view(const BlockMask& m, CUstream_st* stream) {
   std::lock_guard lock(s.mu);
   if (!s.view) {
     if (!s.device) {
-      if (!jit::gpu_available())
+      if (!flexc::gpu_available())
         throw Error("device_view: no GPU is available to hold the BlockMask");
       s.device = upload_mask(*s.host, s.nb * s.nh, s.nqt, s.nkt, stream);
     }

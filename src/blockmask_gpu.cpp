@@ -5,11 +5,11 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "jit/abi.h"
 #include "attention_args.h"
 #include "blockmask_impl.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
-#include "jit/driver.h"
+#include "jit/abi.h"
 #include "jit/driver_api.h"
 #include "jit/jit.h"
 
@@ -21,7 +21,7 @@ struct ListLayout {
 };
 
 struct DeviceMask {
-  jit::DeviceBuffer buf;
+  flexc::DeviceBuffer buf;
   ListLayout at{};
   CUstream_st* stream = nullptr;  // the stream that wrote it
   CUevent_st* written = nullptr;  // recorded on `stream` after the last write
@@ -159,8 +159,8 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
   m->at = list_layout(p.groups(), p.nqt, p.nkt);
   m->stream = stream;
   const size_t grid_at = m->at.end, work_at = align_up(grid_at + p.tiles());
-  m->buf = jit::DeviceBuffer(work_at + work.size());
-  const jit::DevicePtr base = m->buf.ptr();
+  m->buf = flexc::DeviceBuffer(work_at + work.size());
+  const flexc::DevicePtr base = m->buf.ptr();
   for (auto [slot, off] : staged_at)
     staged[slot].data = reinterpret_cast<void*>(base + work_at + off);
   FlexcArgs args = kernel_args(impl_of(*p.variant), p.params, device);
@@ -168,10 +168,10 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
   jit::check(drv.cuMemsetD8Async(base + grid_at, 0, p.tiles(), stream), doing);
   m->buf.upload(work.data(), work.size(), work_at, stream);
 
-  jit::DevicePtr grid = base + grid_at;
-  jit::DevicePtr full_boxes = base + work_at + full_at,
+  flexc::DevicePtr grid = base + grid_at;
+  flexc::DevicePtr full_boxes = base + work_at + full_at,
                  full_prefix = base + work_at + full_prefix_at;
-  jit::DevicePtr und_boxes = base + work_at + und_at, und_prefix = base + work_at + und_prefix_at;
+  flexc::DevicePtr und_boxes = base + work_at + und_at, und_prefix = base + work_at + und_prefix_at;
   int nh = int(p.nh), nqt = int(p.nqt), nkt = int(p.nkt), groups = int(p.groups());
   int n_full = int(a.full.size()), n_und = int(a.undecided.size());
   int64_t full_tiles = 0, und_tiles = 0;
@@ -189,7 +189,7 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
   }
   int row_blocks = int((p.groups() * p.nqt + 31) / 32);
   const int64_t col_blocks = p.groups() * ((p.nkt + 31) / 32);
-  jit::DevicePtr ptrs[8];
+  flexc::DevicePtr ptrs[8];
   const size_t offs[8] = {m->at.kv_num, m->at.kv_idx, m->at.full_kv_num, m->at.full_kv_idx,
                           m->at.q_num,  m->at.q_idx,  m->at.full_q_num,  m->at.full_q_idx};
   for (int i = 0; i < 8; ++i) ptrs[i] = base + offs[i];
@@ -205,7 +205,7 @@ std::shared_ptr<DeviceMask> upload_mask(const BlockMask::Host& h, int64_t groups
   auto m = std::make_shared<DeviceMask>();
   m->at = list_layout(groups, nqt, nkt);
   m->stream = stream;
-  m->buf = jit::DeviceBuffer(m->at.end);
+  m->buf = flexc::DeviceBuffer(m->at.end);
   auto put = [&](const std::vector<int32_t>& v, size_t off) {
     m->buf.upload(v.data(), v.size() * sizeof(int32_t), off, stream);
   };

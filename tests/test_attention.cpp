@@ -16,11 +16,11 @@
 #include "dsl/emit_cuda.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/npy.h"
 #include "flexc/reference.h"
 #include "flexc/variant.h"
-#include "jit/driver.h"
 #include "jit/compiler.h"
 #include "jit/jit.h"
 #include "test_random.h"
@@ -643,7 +643,7 @@ struct GpuCase {
 };
 
 // A [B, H, S, D] host tensor (BHSD order) as 16-bit device memory in the case's layout.
-jit::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int64_t H, int64_t S,
+flexc::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int64_t H, int64_t S,
                             TensorView& view) {
   const std::vector<int64_t> st = c.strides(H, S);
   std::vector<uint16_t> bits(std::max<int64_t>(c.B * st[0], 8), 0xffff);  // NaN in the gaps
@@ -655,7 +655,7 @@ jit::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int64
           bits[b * st[0] + h * st[1] + s * st[2] + d] =
               c.dtype == DType::BF16 ? float_to_bf16(v) : float_to_fp16(v);
         }
-  jit::DeviceBuffer buf(bits.size() * 2);
+  flexc::DeviceBuffer buf(bits.size() * 2);
   buf.upload(bits.data(), bits.size() * 2);
   view = TensorView{buf.get(), c.dtype, {c.B, H, S, c.D}, st};
   return buf;
@@ -666,19 +666,19 @@ jit::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int64
 Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
   const Problem p(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype);
   TensorView q, k, vv, out;
-  const jit::DeviceBuffer dq = to_device(c, p.q, c.Hq, c.Lq, q);
-  const jit::DeviceBuffer dk = to_device(c, p.k, c.Hkv, c.Lkv, k);
-  const jit::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, vv);
+  const flexc::DeviceBuffer dq = to_device(c, p.q, c.Hq, c.Lq, q);
+  const flexc::DeviceBuffer dk = to_device(c, p.k, c.Hkv, c.Lkv, k);
+  const flexc::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, vv);
   const std::vector<float> poison(c.B * c.Hq * c.Lq * c.D, std::numeric_limits<float>::quiet_NaN());
-  const jit::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, out);
-  jit::DeviceBuffer dlse(std::max<int64_t>(c.B * c.Hq * c.Lq * 4, 16));
+  const flexc::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, out);
+  flexc::DeviceBuffer dlse(std::max<int64_t>(c.B * c.Hq * c.Lq * 4, 16));
   dlse.fill(0xff);
 
   AttentionOptions opts;
   ReferenceProblem ref = p.reference();
   BlockMaskOptions bmo;
   std::vector<npy::Array> caps;
-  std::vector<jit::DeviceBuffer> dcaps;
+  std::vector<flexc::DeviceBuffer> dcaps;
   caps.reserve(v.captures().size());
   for (const CaptureSpec& cs : v.captures()) {
     caps.push_back(random_capture(cs, c.B, c.Hq, c.Lq, c.Lkv));
@@ -692,7 +692,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
   opts.params = ref.params = bmo.params = c.params;
   opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
   opts.kernel = c.kernel;
-  std::optional<jit::Stream> build_stream, run_stream;
+  std::optional<flexc::Stream> build_stream, run_stream;
   if (c.two_streams) {
     build_stream.emplace();
     run_stream.emplace();
@@ -707,7 +707,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
     opts.block_mask = &*bm;
   }
   attention(q, k, vv, out, v, opts);
-  jit::synchronize_device();
+  flexc::synchronize_device();
 
   const std::vector<int64_t> st = c.strides(c.Hq, c.Lq);
   const std::vector<uint16_t> bits = dout.to_vector<uint16_t>(dout.size() / 2);
@@ -731,7 +731,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
 }
 
 #define SKIP_WITHOUT_GPU()      \
-  if (!jit::gpu_available()) {  \
+  if (!flexc::gpu_available()) {  \
     WARN("no GPU: skipped");    \
     return;                     \
   }
@@ -739,7 +739,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256) {
 // The forward kernels this GPU runs for head dim d: the portable one, and on sm_90 the Hopper one.
 std::vector<FwdKernel> kernels_for(int64_t d) {
   std::vector<FwdKernel> k{FwdKernel::Portable};
-  if (jit::current_arch() == "sm_90" && detail::sm90_supports(int(d))) k.push_back(FwdKernel::Hopper);
+  if (flexc::current_arch() == "sm_90" && detail::sm90_supports(int(d))) k.push_back(FwdKernel::Hopper);
   return k;
 }
 

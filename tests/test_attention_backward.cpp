@@ -13,10 +13,10 @@
 #include "attention_kernel.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/reference.h"
 #include "flexc/variant.h"
-#include "jit/driver.h"
 #include "test_random.h"
 #include "test_tensors.h"
 
@@ -111,18 +111,18 @@ double relative_rmse(const std::vector<float>& got, const std::vector<double>& w
   return n == 0 ? std::sqrt(e) : std::sqrt(e / n);
 }
 
-jit::DeviceBuffer upload16(DType d, const std::vector<float>& x, const std::vector<int64_t>& shape,
+flexc::DeviceBuffer upload16(DType d, const std::vector<float>& x, const std::vector<int64_t>& shape,
                            TensorView& view) {
   std::vector<uint16_t> bits(std::max<size_t>(x.size(), 8), 0);
   for (size_t i = 0; i < x.size(); ++i)
     bits[i] = d == DType::BF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
-  jit::DeviceBuffer buf(bits.size() * 2);
+  flexc::DeviceBuffer buf(bits.size() * 2);
   buf.upload(bits.data(), bits.size() * 2);
   view = TensorView{buf.get(), d, shape, {}};
   return buf;
 }
 
-std::vector<float> download16(DType d, const jit::DeviceBuffer& buf, size_t n) {
+std::vector<float> download16(DType d, const flexc::DeviceBuffer& buf, size_t n) {
   const std::vector<uint16_t> bits = buf.to_vector<uint16_t>(n);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i) out[i] = d == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
@@ -151,17 +151,17 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
              bv = upload16(dtype, v, ks, tv), bout = upload16(dtype, nan, qs, tout),
              bdout = upload16(dtype, dout, qs, tdout), bdq = upload16(dtype, nan, qs, tdq),
              bdk = upload16(dtype, nan_kv, ks, tdk), bdv = upload16(dtype, nan_kv, ks, tdv);
-  jit::DeviceBuffer blse(std::max<int64_t>(s.B * s.Hq * s.Lq, 4) * 4);
+  flexc::DeviceBuffer blse(std::max<int64_t>(s.B * s.Hq * s.Lq, 4) * 4);
   const TensorView tlse{blse.get(), DType::F32, {s.B, s.Hq, s.Lq}, {}};
 
   std::map<std::string, TensorView, std::less<>> captures;
   AttentionGrads grads{tdq, tdk, tdv, {}};
-  jit::DeviceBuffer bslope(64), bdslope(64);
+  flexc::DeviceBuffer bslope(64), bdslope(64);
   if (slope) {
-    bslope = jit::DeviceBuffer(slope->size() * 4);
+    bslope = flexc::DeviceBuffer(slope->size() * 4);
     bslope.upload(slope->data(), slope->size() * 4);
     const std::vector<float> start(slope->size(), 0.25f);  // the kernel adds to what is there
-    bdslope = jit::DeviceBuffer(slope->size() * 4);
+    bdslope = flexc::DeviceBuffer(slope->size() * 4);
     bdslope.upload(start.data(), start.size() * 4);
     captures["slope"] = TensorView{bslope.get(), DType::F32, {s.Hq}, {}};
     grads.captures["slope"] = TensorView{bdslope.get(), DType::F32, {s.Hq}, {}};
@@ -184,7 +184,7 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
   const auto bdq2 = upload16(dtype, nan, qs, tdq2), bdk2 = upload16(dtype, nan_kv, ks, tdk2),
              bdv2 = upload16(dtype, nan_kv, ks, tdv2);
   attention_backward(tq, tk, tv, tout, tlse, tdout, {tdq2, tdk2, tdv2, {}}, variant, bo);
-  jit::synchronize_device();
+  flexc::synchronize_device();
   CHECK(bdk.to_vector<uint16_t>(k.size()) == bdk2.to_vector<uint16_t>(k.size()));
   CHECK(bdv.to_vector<uint16_t>(k.size()) == bdv2.to_vector<uint16_t>(k.size()));
   if (deterministic) CHECK(bdq.to_vector<uint16_t>(q.size()) == bdq2.to_vector<uint16_t>(q.size()));
@@ -210,7 +210,7 @@ void check_case(const Variant& variant, const Mod& mod, const Shape& s, DType dt
 }
 
 #define SKIP_WITHOUT_GPU()      \
-  if (!jit::gpu_available()) {  \
+  if (!flexc::gpu_available()) {  \
     WARN("no GPU: skipped");    \
     return;                     \
   }
@@ -248,7 +248,7 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
              bv = upload16(c.dtype, v, ks, tv), bout = upload16(c.dtype, nan, qs, tout),
              bdout = upload16(c.dtype, dout, qs, tdout), bdq = upload16(c.dtype, nan, qs, tdq),
              bdk = upload16(c.dtype, nan_kv, ks, tdk), bdv = upload16(c.dtype, nan_kv, ks, tdv);
-  jit::DeviceBuffer blse(std::max<int64_t>(c.B * c.Hq * c.Lq, 4) * 4);
+  flexc::DeviceBuffer blse(std::max<int64_t>(c.B * c.Hq * c.Lq, 4) * 4);
   const TensorView tlse{blse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
 
   ReferenceBackwardProblem rp;
@@ -259,7 +259,7 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   AttentionOptions fo;
   AttentionGrads grads{tdq, tdk, tdv, {}};
   std::vector<npy::Array> caps;
-  std::vector<jit::DeviceBuffer> dcaps, dgrads;
+  std::vector<flexc::DeviceBuffer> dcaps, dgrads;
   caps.reserve(variant.captures().size());
   BlockMaskOptions bmo;
   for (const CaptureSpec& cs : variant.captures()) {
@@ -297,12 +297,12 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
                bdv2 = upload16(c.dtype, nan_kv, ks, tdv2);
     AttentionGrads again{tdq2, tdk2, tdv2, {}};
     attention_backward(tq, tk, tv, tout, tlse, tdout, again, variant, bo);
-    jit::synchronize_device();
+    flexc::synchronize_device();
     CHECK(bdq.to_vector<uint16_t>(q.size()) == bdq2.to_vector<uint16_t>(q.size()));
     CHECK(bdk.to_vector<uint16_t>(k.size()) == bdk2.to_vector<uint16_t>(k.size()));
     CHECK(bdv.to_vector<uint16_t>(k.size()) == bdv2.to_vector<uint16_t>(k.size()));
   }
-  jit::synchronize_device();
+  flexc::synchronize_device();
 
   const std::vector<float> out = download16(c.dtype, bout, q.size());
   const std::vector<float> lse = blse.to_vector<float>(c.B * c.Hq * c.Lq);

@@ -12,13 +12,14 @@
 #include "dsl/analysis.h"
 #include "dsl/ir.h"
 #include "flexc/blockmask.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
+#include "jit/abi.h"
 #include "jit/jit.h"
 #include "random_expr.h"
-#include "jit/abi.h"
-#include "variant_impl.h"
 #include "test_random.h"
+#include "variant_impl.h"
 
 using namespace flexc;
 
@@ -611,7 +612,7 @@ TEST_CASE("the GPU kernels compile with NVRTC", "[blockmask]") {
 }
 
 TEST_CASE("GPU builder == CPU reference over the catalogue", "[blockmask][gpu]") {
-  if (!jit::gpu_available()) {
+  if (!flexc::gpu_available()) {
     WARN("no GPU: skipped");
     return;
   }

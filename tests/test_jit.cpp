@@ -24,18 +24,18 @@
 
 #include "dsl/analysis.h"
 #include "dsl/emit_cuda.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
 #include "jit/abi.h"
 #include "jit/cache.h"
 #include "jit/compiler.h"
-#include "jit/driver.h"
 #include "jit/jit.h"
 #include "jit/kernels.h"
 #include "jit/splice.h"
 #include "random_expr.h"
-#include "variant_impl.h"
 #include "test_random.h"
+#include "variant_impl.h"
 
 extern char** environ;
 

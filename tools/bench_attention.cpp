@@ -26,10 +26,9 @@
 #include "dsl/analysis.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
-#include "jit/driver.h"
-#include "jit/jit.h"
 #include "variant_impl.h"
 
 using namespace flexc;
@@ -139,14 +138,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (!jit::gpu_available()) {
+    if (!flexc::gpu_available()) {
       std::fprintf(stderr, "bench_attention: no GPU\n");
       return 1;
     }
     const DType dtype = parse_dtype(dtype_name_arg);
     std::vector<FwdKernel> kernels;
     for (const std::string& name : kernel_names) kernels.push_back(parse_fwd_kernel(name));
-    jit::Stream stream;
+    flexc::Stream stream;
     fmt::print("| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
                "|---|---|---|---|---|---|---|---|---|\n");
     for (const Case& c : all_cases(backward)) {
@@ -158,10 +157,10 @@ int main(int argc, char** argv) {
       const bool learn = c.name.ends_with("_dslope") || c.name.ends_with("_dbias");
       // q, k, v, and dout for the backward; then out, dq, dk, dv.
       std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());
-      jit::DeviceBuffer buf(host.size() * 2);
+      flexc::DeviceBuffer buf(host.size() * 2);
       buf.upload(host.data(), host.size() * 2);
-      jit::DeviceBuffer out(n * 2), grads(backward ? 3 * n * 2 : 2);
-      jit::DeviceBuffer lse(B * H * c.s * 4);
+      flexc::DeviceBuffer out(n * 2), grads(backward ? 3 * n * 2 : 2);
+      flexc::DeviceBuffer lse(B * H * c.s * 4);
       const TensorView out_view{out.get(), dtype, {B, H, c.s, c.d}, {}};
       const TensorView lse_view{lse.get(), DType::F32, {B, H, c.s}, {}};
       const auto grad = [&](int64_t i) {
@@ -175,7 +174,7 @@ int main(int argc, char** argv) {
       BlockMaskOptions bmo;
       std::vector<float> slope;
       std::vector<int32_t> doc;
-      std::optional<jit::DeviceBuffer> cap;
+      std::optional<flexc::DeviceBuffer> cap;
       std::vector<dsl::HostTensor> host_caps;
       if (c.name.starts_with("alibi")) {
         for (int64_t h = 0; h < H; ++h) slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
@@ -190,7 +189,7 @@ int main(int argc, char** argv) {
         opts.captures["bias"] = TensorView{cap->get(), DType::F32, {H, 256}, {}};
       }
       // The learnable capture's gradient (the kernel adds into it over the repetitions).
-      std::optional<jit::DeviceBuffer> cap_grad;
+      std::optional<flexc::DeviceBuffer> cap_grad;
       std::map<std::string, TensorView, std::less<>> cap_grads;
       if (learn) {
         const auto& [name, view] = *opts.captures.begin();
@@ -230,7 +229,7 @@ int main(int argc, char** argv) {
         bopts.kernel = kernel;  // (the backward's forward ran once above, with the default)
         std::vector<double> ms;
         for (int r = 0; r < reps + 3; ++r) {
-          jit::EventTimer t;
+          flexc::EventTimer t;
           t.start(stream.get());
           if (backward)
             attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),

@@ -16,12 +16,11 @@
 #include <optional>
 #include <vector>
 
+#include "blockmask_impl.h"
 #include "flexc/blockmask.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
-#include "blockmask_impl.h"
-#include "jit/driver.h"
-#include "jit/jit.h"
 
 using namespace flexc;
 using Clock = std::chrono::steady_clock;
@@ -63,11 +62,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const bool gpu = device == "gpu" && !analysis_only;
-    if (gpu && !jit::gpu_available()) {
+    if (gpu && !flexc::gpu_available()) {
       std::fprintf(stderr, "bench_blockmask: no GPU (use --device cpu or --analysis-only)\n");
       return 1;
     }
-    std::optional<jit::Stream> stream;
+    std::optional<flexc::Stream> stream;
     if (gpu) stream.emplace();
     if (!json)
       fmt::print("{}, leaf boxes of {} tiles\n",
@@ -109,7 +108,7 @@ int main(int argc, char** argv) {
             row.stats.decided_tiles = a.decided_tiles;
             for (const auto& x : a.undecided) row.stats.evaluated_tiles += x.area();
           } else if (gpu) {
-            jit::EventTimer timer;
+            flexc::EventTimer timer;
             timer.start(stream->get());
             const auto t0 = Clock::now();
             const BlockMask m = create_block_mask(v, 1, 1, n, n, o, stream->get());

@@ -16,11 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "jit/driver.h"
-#include "jit/jit.h"
-#include "jit/kernels.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
+#include "jit/jit.h"
+#include "jit/kernels.h"
 
 using namespace flexc;
 using Clock = std::chrono::steady_clock;
@@ -54,7 +54,7 @@ void bench(const std::string& variant, const jit::KnownKernel& k, const jit::Ker
   };
   const Variant v = fresh();
   const jit::KernelSpec spec = k.spec(cfg);
-  const bool gpu = jit::gpu_available();
+  const bool gpu = flexc::gpu_available();
   fmt::print("{} kernel for '{}' ({}), {} repetitions{}\n", k.name, v.name(),
              spec.arch.empty() ? "this GPU" : spec.arch, reps, gpu ? "" : ", no GPU");
 
@@ -137,11 +137,11 @@ int main(int argc, char** argv) {
   setenv("FLEXC_CACHE_DIR", dir.c_str(), 1);
   unsetenv("FLEXC_DISABLE_DISK_CACHE");
   try {
-    if (arch.empty() && !jit::gpu_available()) arch = "sm_90";
+    if (arch.empty() && !flexc::gpu_available()) arch = "sm_90";
     const jit::KernelConfig cfg{arch, dtype, head_dim};
     std::vector<const jit::KnownKernel*> list;
     if (kernels == "all")
-      list = jit::kernels_for_arch(arch.empty() ? jit::current_arch() : arch);
+      list = jit::kernels_for_arch(arch.empty() ? flexc::current_arch() : arch);
     else
       for (size_t start = 0; start <= kernels.size();) {
         const size_t comma = std::min(kernels.find(',', start), kernels.size());

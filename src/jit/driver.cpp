@@ -1,4 +1,4 @@
-#include "jit/driver.h"
+#include "flexc/device.h"
 
 #include <dlfcn.h>
 #include <fmt/format.h>
@@ -69,15 +69,6 @@ void check(CUresult r, std::string_view doing) {
                    : fmt::format("{}: CUDA error {}", doing, static_cast<int>(r)));
 }
 
-bool gpu_available() {
-  static const bool available = [] {
-    const Loaded& l = loaded();
-    int n = 0;
-    return l.error.empty() && l.api.cuDeviceGetCount(&n) == CUDA_SUCCESS && n > 0;
-  }();
-  return available;
-}
-
 CUcontext current_context() {
   const DriverApi& d = driver("getting the current CUDA context");
   CUcontext ctx = nullptr;
@@ -88,6 +79,26 @@ CUcontext current_context() {
   check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "retaining the primary context of CUDA device 0");
   check(d.cuCtxSetCurrent(ctx), "making the primary context of CUDA device 0 current");
   return ctx;
+}
+
+}  // namespace flexc::jit
+
+// ---- the public device API (flexc/device.h)
+namespace flexc {
+
+using jit::check;
+using jit::current_context;
+using jit::driver;
+using jit::DriverApi;
+using jit::loaded;
+
+bool gpu_available() {
+  static const bool available = [] {
+    const jit::Loaded& l = loaded();
+    int n = 0;
+    return l.error.empty() && l.api.cuDeviceGetCount(&n) == CUDA_SUCCESS && n > 0;
+  }();
+  return available;
 }
 
 std::string current_arch() {
@@ -217,4 +228,4 @@ void synchronize_device() {
   check(driver("waiting for the GPU").cuCtxSynchronize(), "waiting for the GPU");
 }
 
-}  // namespace flexc::jit
+}  // namespace flexc

@@ -16,9 +16,9 @@
 
 #include "cache.h"
 #include "compiler.h"
-#include "driver.h"
 #include "driver_api.h"
 #include "dsl/emit_cuda.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "splice.h"
 #include "variant_impl.h"

@@ -79,9 +79,6 @@ const Kernel& get_kernel(const Variant& v, const KernelSpec& spec);
 // Several at once: compiled in parallel, then loaded.
 std::vector<const Kernel*> get_kernels(const Variant& v, std::span<const KernelSpec> specs);
 
-// True when a CUDA driver and at least one device are present (libcuda is dlopen'ed).
-bool gpu_available();
-
 // This process's cache activity. A wait for another thread's compile of the same key counts as
 // a memory hit.
 struct CacheCounters {

@@ -14,9 +14,9 @@
 
 #include "cli/args.h"
 #include "cli/command.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
-#include "jit/driver.h"
 #include "jit/jit.h"
 #include "jit/kernels.h"
 
@@ -64,13 +64,13 @@ void run(const Options& o) {
   const auto t0 = std::chrono::steady_clock::now();
   if (o.dtype != "bf16" && o.dtype != "fp16")
     throw Error(fmt::format("--dtype must be bf16 or fp16, not '{}'", o.dtype));
-  if (o.arch.empty() && !jit::gpu_available())
+  if (o.arch.empty() && !flexc::gpu_available())
     throw Error(
         "no GPU here to take the architecture from: name it with --arch (e.g. --arch sm_90)");
 
   std::vector<const jit::KnownKernel*> kernels;
   // "all": the kernels that can be built for the arch (the Hopper kernel only for sm_90 / sm_90a).
-  const std::string arch = o.arch.empty() ? jit::current_arch() : o.arch;
+  const std::string arch = o.arch.empty() ? flexc::current_arch() : o.arch;
   if (o.kernels == "all")
     kernels = jit::kernels_for_arch(arch);
   else

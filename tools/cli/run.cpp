@@ -15,12 +15,11 @@
 #include <string>
 #include <vector>
 
-#include "jit/driver.h"
-#include "jit/jit.h"
 #include "cli/args.h"
 #include "cli/command.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/npy.h"
 #include "flexc/reference.h"
@@ -100,7 +99,7 @@ Input random_input(std::vector<int64_t> shape, std::mt19937_64& rng, DType dtype
 // score elements, each of D multiply-adds several times over. Past this it would take minutes.
 constexpr int64_t kMaxBackwardCheckElements = int64_t{1} << 26;
 
-std::vector<float> decode(const jit::DeviceBuffer& b, size_t n, DType dtype) {
+std::vector<float> decode(const flexc::DeviceBuffer& b, size_t n, DType dtype) {
   const std::vector<uint16_t> bits = b.to_vector<uint16_t>(n);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i)
@@ -108,8 +107,8 @@ std::vector<float> decode(const jit::DeviceBuffer& b, size_t n, DType dtype) {
   return out;
 }
 
-jit::DeviceBuffer upload(const void* data, size_t bytes) {
-  jit::DeviceBuffer b(std::max<size_t>(bytes, 16));
+flexc::DeviceBuffer upload(const void* data, size_t bytes) {
+  flexc::DeviceBuffer b(std::max<size_t>(bytes, 16));
   b.upload(data, bytes);
   return b;
 }
@@ -147,7 +146,7 @@ void run(const Options& o) {
   }
   std::vector<int64_t> sizes;
   if (!o.random.empty()) sizes = parse_sizes(o.random);
-  if (!jit::gpu_available())
+  if (!flexc::gpu_available())
     throw Error("flexc run needs a GPU (no CUDA driver or device found)");
 
   std::mt19937_64 rng(o.seed);
@@ -169,7 +168,7 @@ void run(const Options& o) {
 
   // Captures: host arrays in the declared dtype, and their device copies.
   std::vector<npy::Array> host_caps;
-  std::vector<jit::DeviceBuffer> dev_caps;
+  std::vector<flexc::DeviceBuffer> dev_caps;
   host_caps.reserve(o.captures.size());
   AttentionOptions opts;
   ReferenceProblem ref;
@@ -198,14 +197,14 @@ void run(const Options& o) {
   opts.scale = o.scale;
   opts.kernel = kernel;
 
-  jit::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
-  jit::DeviceBuffer k_dev = upload(k.bits.data(), k.bits.size() * 2);
-  jit::DeviceBuffer v_dev = upload(v.bits.data(), v.bits.size() * 2);
-  jit::DeviceBuffer out_dev(std::max<size_t>(q.bits.size() * 2, 16));
-  jit::DeviceBuffer lse_dev(std::max<size_t>(B * Hq * Lq * 4, 16));
+  flexc::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
+  flexc::DeviceBuffer k_dev = upload(k.bits.data(), k.bits.size() * 2);
+  flexc::DeviceBuffer v_dev = upload(v.bits.data(), v.bits.size() * 2);
+  flexc::DeviceBuffer out_dev(std::max<size_t>(q.bits.size() * 2, 16));
+  flexc::DeviceBuffer lse_dev(std::max<size_t>(B * Hq * Lq * 4, 16));
   out_dev.fill(0xff);  // NaN: an element the kernel missed cannot pass for a result
   lse_dev.fill(0xff);
-  const auto view = [&](const jit::DeviceBuffer& b, const Input& in) {
+  const auto view = [&](const flexc::DeviceBuffer& b, const Input& in) {
     return TensorView{b.get(), dtype, in.shape, {}};
   };
   opts.lse = TensorView{lse_dev.get(), DType::F32, {B, Hq, Lq}, {}};
@@ -217,10 +216,10 @@ void run(const Options& o) {
     opts.block_mask = &*bm;
   }
   attention(view(q_dev, q), view(k_dev, k), view(v_dev, v), view(out_dev, q), variant, opts);
-  jit::synchronize_device();
+  flexc::synchronize_device();
   const double first_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  jit::EventTimer timer;  // a second, warm launch: the kernel's own time
+  flexc::EventTimer timer;  // a second, warm launch: the kernel's own time
   timer.start(opts.stream);
   attention(view(q_dev, q), view(k_dev, k), view(v_dev, v), view(out_dev, q), variant, opts);
   timer.stop(opts.stream);
@@ -268,12 +267,12 @@ void run(const Options& o) {
   if (dout_in.shape != q.shape)
     throw Error(fmt::format("--dout {}: shape [{}] must be q's [{}]", o.dout,
                             fmt::join(dout_in.shape, ", "), fmt::join(q.shape, ", ")));
-  jit::DeviceBuffer dout_dev = upload(dout_in.bits.data(), dout_in.bits.size() * 2);
-  jit::DeviceBuffer dq_dev(std::max<size_t>(q.bits.size() * 2, 16)), dk_dev(std::max<size_t>(k.bits.size() * 2, 16)),
+  flexc::DeviceBuffer dout_dev = upload(dout_in.bits.data(), dout_in.bits.size() * 2);
+  flexc::DeviceBuffer dq_dev(std::max<size_t>(q.bits.size() * 2, 16)), dk_dev(std::max<size_t>(k.bits.size() * 2, 16)),
       dv_dev(std::max<size_t>(v.bits.size() * 2, 16));
-  for (jit::DeviceBuffer* g : {&dq_dev, &dk_dev, &dv_dev}) g->fill(0xff);
+  for (flexc::DeviceBuffer* g : {&dq_dev, &dk_dev, &dv_dev}) g->fill(0xff);
   AttentionGrads grads{view(dq_dev, q), view(dk_dev, k), view(dv_dev, v), {}};
-  std::vector<jit::DeviceBuffer> dev_grads;
+  std::vector<flexc::DeviceBuffer> dev_grads;
   std::vector<std::string> grad_names;
   dev_grads.reserve(host_caps.size());
   for (const npy::Array& a : host_caps) {
@@ -294,15 +293,15 @@ void run(const Options& o) {
   // Twice, each from zeroed capture gradients: the first compiles, the second is timed.
   double bwd_first_ms = 0, bwd_ms = 0;
   for (int pass = 0; pass < 2; ++pass) {
-    for (jit::DeviceBuffer& g : dev_grads) g.fill(0);
-    jit::synchronize_device();
+    for (flexc::DeviceBuffer& g : dev_grads) g.fill(0);
+    flexc::synchronize_device();
     const auto b0 = std::chrono::steady_clock::now();
-    jit::EventTimer bt;
+    flexc::EventTimer bt;
     bt.start(bo.stream);
     attention_backward(view(q_dev, q), view(k_dev, k), view(v_dev, v), out_view, *opts.lse, dout_view,
                        grads, variant, bo);
     bt.stop(bo.stream);
-    jit::synchronize_device();
+    flexc::synchronize_device();
     (pass == 0 ? bwd_first_ms : bwd_ms) =
         pass == 0 ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - b0).count()
                   : bt.elapsed_ms();

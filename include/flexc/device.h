@@ -1,5 +1,7 @@
-// Small RAII helpers over the CUDA Driver API for flexc's kernels, tests and benchmarks. No CUDA
-// header is needed to use them; everything runs in the current (or primary) context.
+// GPU memory, streams and timing for callers that have no CUDA runtime of their own (the flexc
+// CLI, benchmarks, C++ programs handing flexc device tensors): small RAII helpers over the CUDA
+// Driver API, which flexc loads at run time. No CUDA header is needed to use them; everything runs
+// in the current context, or device 0's primary context when there is none.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +13,7 @@
 struct CUstream_st;
 struct CUevent_st;
 
-namespace flexc::jit {
+namespace flexc {
 
 using DevicePtr = unsigned long long;  // CUdeviceptr
 
@@ -86,7 +88,10 @@ class EventTimer {
 // Waits for all work of the current context.
 void synchronize_device();
 
+// True when a CUDA driver and at least one device are present.
+bool gpu_available();
+
 // "sm_90" for the device of the current context. Throws flexc::Error when there is no GPU.
 std::string current_arch();
 
-}  // namespace flexc::jit
+}  // namespace flexc
