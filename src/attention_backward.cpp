@@ -36,15 +36,16 @@ TileConfig bwd_config(int head_dim) {
 
 TileConfig bwd_config_sm90(int head_dim) {
   // A producer warpgroup and two consumers of 64 kv rows (128 per CTA, the default BlockMask
-  // tile), 64 q rows per step; shared memory: K, V, two stages of Q and dO, per consumer dS^T
-  // (64 x 64) and its float32 dQ part (64 x D), two stages of LSE / delta rows, 5 mbarriers, and
-  // 1024 bytes to align the tiles for wgmma's swizzle. The deterministic build leaves out the dS^T
-  // and dQ parts but is launched with the same size.
+  // tile), 64 q rows per step; shared memory (templates/attention_bwd_sm90.cuh): K, V, two stages
+  // of Q and dO, two buffers of the CTA's dS^T (128 x 64), each consumer's float32 half of dQ
+  // (64 x D / 2), two stages of LSE / delta rows, 5 mbarriers, and 1024 bytes to align the tiles
+  // for wgmma's swizzle. The deterministic build leaves out dS^T and dQ but is launched with the
+  // same size.
   if (!sm90_supports(head_dim))
     throw Error(fmt::format("the Hopper backward kernel has no head dim {} (64 or 128)", head_dim));
   TileConfig c{64, 128, 128 * 3, 2, 0};
   c.smem_bytes = size_t(2) * head_dim * (2 * c.block_n + 2 * 2 * c.block_m) +
-                 2 * (size_t(2) * 64 * c.block_m + size_t(4) * c.block_m * head_dim) +
+                 2 * size_t(2) * c.block_n * c.block_m + size_t(4) * c.block_m * head_dim +
                  2 * 2 * size_t(4) * c.block_m + 8 * 5 + 1024;
   return c;
 }

@@ -1,8 +1,11 @@
 // The BlockMask's host side: tiles classified by the interpreter, and the lists from a verdict
 // grid. The CPU builder is the reference the GPU builder is tested against.
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "blockmask_impl.h"
+#include "flexc/error.h"
 
 namespace flexc::detail {
 
@@ -70,3 +73,44 @@ BlockMask::Host lists_from_grid(std::span<const uint8_t> grid, int64_t groups, i
 }
 
 }  // namespace flexc::detail
+
+namespace flexc {
+
+double mask_density(const Variant& v, const BlockMask& bm, int64_t B, int64_t H,
+                    const BlockMaskOptions& opts) {
+  const detail::MaskProblem p = detail::resolve_problem(v, B, H, bm.q_len(), bm.kv_len(), opts);
+  if (p.nb != bm.nb() || p.nh != bm.nh() || p.q_tile != bm.q_tile() || p.kv_tile != bm.kv_tile())
+    throw Error(fmt::format(
+        "mask_density: the BlockMask ({} x {} groups, {} x {} tiles) was not built for '{}' with "
+        "B {}, H {} and these options",
+        bm.nb(), bm.nh(), bm.q_tile(), bm.kv_tile(), p.variant_name, B, H));
+  if (p.q_len == 0 || p.kv_len == 0) return 0.0;
+  dsl::EvalEnv env;
+  env.ints[static_cast<int>(dsl::Input::QLen)] = p.q_len;
+  env.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
+  env.params = p.params;
+  env.captures = p.captures;
+  std::vector<dsl::Value> scratch;
+  double kept = 0;  // over one batch and head of each broadcast group, which weigh the same
+  for (int64_t b = 0; b < p.nb; ++b)
+    for (int64_t h = 0; h < p.nh; ++h)
+      for (int64_t qt = 0; qt < p.nqt; ++qt)
+        for (int64_t kt = 0; kt < p.nkt; ++kt) {
+          const int64_t q0 = qt * p.q_tile, q1 = std::min(p.q_len, q0 + p.q_tile);
+          const int64_t k0 = kt * p.kv_tile, k1 = std::min(p.kv_len, k0 + p.kv_tile);
+          const TileKind kind = bm.tile(b, h, qt, kt);
+          if (kind == TileKind::Full) kept += double(q1 - q0) * double(k1 - k0);
+          if (kind != TileKind::Partial) continue;
+          env.ints[static_cast<int>(dsl::Input::B)] = b;
+          env.ints[static_cast<int>(dsl::Input::H)] = h;
+          for (int64_t q = q0; q < q1; ++q)
+            for (int64_t k = k0; k < k1; ++k) {
+              env.ints[static_cast<int>(dsl::Input::QIdx)] = q;
+              env.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
+              kept += dsl::evaluate(*p.mask, env, dsl::Precision::F32, scratch).i != 0;
+            }
+        }
+  return kept / (double(p.nb * p.nh) * double(p.q_len) * double(p.kv_len));
+}
+
+}  // namespace flexc

@@ -61,7 +61,7 @@ constexpr int kRowBytes = 2 * kBlockM * 4;
 constexpr int kSmemBytes = 2 * KvTile::kBytes + 2 * kStageBytes + DsTile::kBytes + 2 * kRowBytes;
 
 using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Kv>;
-using QSchedule = flexc_attn::QSchedule<kBlockM>;
+using Steps = flexc_attn::ColumnSteps<kBlockM>;
 constexpr bool kGrad = !FlexcVariant::kScoreGradIsOne;
 
 }  // namespace flexc_bwd
@@ -119,24 +119,17 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
   copy_kv(v_tile, at<unsigned short>(p.v, p.v_stride, b, h_kv), p.v_stride[2], kv0, p.kv_len);
   cp_async_commit();
 
-  // The (query head, q tile) steps: every head of the group, each with its column's schedule.
-  int hq = h_kv * group;
-  QSchedule sched(bm, b, hq, kv0, p.q_len);
-  QSchedule::Cursor fetch, cur;
-  int fetch_h = hq, fetch_left = sched.count;
-  QSchedule fetch_sched = sched;
+  // The (query head, q tile) steps: every head of the group, each with its column's schedule;
+  // one walker prefetches, one computes.
+  const Steps steps(bm, b, h_kv * group, group, kv0, p.q_len);
+  Steps fetch_steps = steps, walk = steps;
   const TileCopy<QTile, kThreads> copy_q;
   // Issues the copies of the next step's Q and dO tiles into `stage`, and its rows' LSE and delta
   // (plain stores: visible after the next __syncthreads). Returns false when no step is left.
   auto load_step = [&](int stage) {
-    while (fetch_left == 0 && fetch_h + 1 < (h_kv + 1) * group) {
-      ++fetch_h;
-      fetch_sched = QSchedule(bm, b, fetch_h, kv0, p.q_len);
-      fetch = {};
-      fetch_left = fetch_sched.count;
-    }
-    if (fetch_left == 0) return false;
-    const int q0 = fetch_sched.start(fetch);
+    int fetch_h, q0;
+    bool unused;
+    if (!fetch_steps.next(fetch_h, q0, unused)) return false;
     copy_q(q_tile(stage), at<unsigned short>(p.q, p.q_stride, b, fetch_h), p.q_stride[2], q0,
            p.q_len);
     copy_q(do_tile(stage), at<unsigned short>(bp.dout, bp.do_stride, b, fetch_h),
@@ -147,8 +140,6 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
       lse2_of(stage)[r] = lse_log2(p.lse, base + q, q < p.q_len);
       delta_of(stage)[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
     }
-    fetch_sched.advance(fetch);
-    --fetch_left;
     return true;
   };
 
@@ -179,13 +170,9 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     const int stage = it & 1;
     more = load_step(stage ^ 1);
     cp_async_commit();
-    while (cur.blk * sched.per_block + cur.sub >= sched.count) {
-      sched = QSchedule(bm, b, ++hq, kv0, p.q_len);
-      cur = {};
-    }
-    const int q0 = sched.start(cur);
-    const bool partial = sched.is_partial(cur);
-    sched.advance(cur);
+    int hq, q0;
+    bool partial;
+    walk.next(hq, q0, partial);  // the step load_step fetched
 
     // S^T = K Q^T for this warp's 16 kv rows.
     float s[1][kNT][4];

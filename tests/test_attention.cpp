@@ -582,8 +582,9 @@ TEST_CASE("the backward kernel builds for every variant with bounded spills", "[
       CHECK(spill_bytes(log, "flexc_attention_bwd_prep") == 0);
       CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
       // dK and dV of D = 128 hold 128 registers a thread: D 128 spills a little today (at most
-      // 144 bytes, alibi with its capture gradient; docs/perf.md); D 64 none.
-      CHECK(spill_bytes(log, "flexc_attention_bwd") <= (d == 64 ? 0 : 160));
+      // 144 bytes, alibi with its capture gradient; docs/perf.md); D 64 at most 8 bytes (alibi:
+      // the two column walkers, prefetch and compute, with the capture-gradient sink).
+      CHECK(spill_bytes(log, "flexc_attention_bwd") <= (d == 64 ? 8 : 160));
     }
   }
 }

@@ -299,6 +299,47 @@ TEST_CASE("B and H broadcast", "[blockmask]") {
   CHECK(same(create_block_mask(reads_bh, B, H, q_len, kv_len, o), bh));
 }
 
+TEST_CASE("mask_density counts the kept elements", "[blockmask]") {
+  BlockMaskOptions o;
+  o.device = BuildDevice::Cpu;
+  const int64_t S = uniform(100, 700), T = uniform(50, 700);
+  INFO("q_len " << S << " kv_len " << T);
+  // Causal (top-left): row q keeps min(q + 1, T) keys.
+  const Variant causal = Variant::from_catalogue("causal");
+  double kept = 0;
+  for (int64_t q = 0; q < S; ++q) kept += double(std::min(q + 1, T));
+  CHECK(mask_density(causal, create_block_mask(causal, 2, 3, S, T, o), 2, 3, o) ==
+        Approx(kept / double(S * T)).epsilon(1e-12));
+  // Per-head masks weigh each head alike; the count is exact against a brute-force sweep.
+  const Variant reads_h = Variant::from_strings("score", "kv_idx <= q_idx + 100 * h", {}, {}, "h");
+  const int64_t H = uniform(2, 4);
+  kept = 0;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t q = 0; q < S; ++q) kept += double(std::clamp<int64_t>(q + 100 * h + 1, 0, T));
+  const BlockMask mh = create_block_mask(reads_h, 2, H, S, T, o);
+  CHECK(mask_density(reads_h, mh, 2, H, o) ==
+        Approx(kept / double(H * S * T)).epsilon(1e-12));
+  // Captures: a document mask keeps the sum of squared document lengths.
+  const Variant doc_mask = Variant::from_catalogue("document");
+  std::vector<int32_t> doc(S);
+  for (int64_t i = 0; i < S; ++i) doc[i] = int32_t(i * 3 / S);
+  o.captures["doc"] = CaptureData{doc.data(), nullptr, {S}, {}};
+  kept = 0;
+  for (int d = 0; d < 3; ++d) {
+    const double n = double(std::count(doc.begin(), doc.end(), d));
+    kept += n * n;
+  }
+  CHECK(mask_density(doc_mask, create_block_mask(doc_mask, 1, 1, S, S, o), 1, 1, o) ==
+        Approx(kept / double(S * S)).epsilon(1e-12));
+  // A BlockMask built for other sizes or options is refused, naming what differs.
+  o.captures.clear();
+  CHECK_THROWS_WITH(mask_density(reads_h, mh, 2, H + 1, o),
+                    Catch::Contains("was not built for 'h' with B 2, H " + std::to_string(H + 1)));
+  BlockMaskOptions small = o;
+  small.q_tile = 64;
+  CHECK_THROWS_WITH(mask_density(reads_h, mh, 2, H, small), Catch::Contains("these options"));
+}
+
 TEST_CASE("random masks: analytic == brute force", "[blockmask]") {
   // Random boolean expressions over the indices, a param and a captured int tensor, printed to
   // DSL text and parsed back as variants.

@@ -23,13 +23,11 @@
 #include <thread>
 #include <vector>
 
-#include "dsl/analysis.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
-#include "variant_impl.h"
 
 using namespace flexc;
 
@@ -73,34 +71,6 @@ std::vector<uint16_t> random_bits(size_t n, DType dtype, uint64_t seed) {
     });
   for (auto& th : threads) th.join();
   return out;
-}
-
-// Exact fraction of (q, kv) pairs the mask keeps, for a mask that reads neither b nor h: full
-// tiles count whole, partial ones element by element (float32, as the kernels decide).
-double density(const Variant& v, const BlockMask& bm, std::span<const dsl::HostTensor> captures) {
-  const dsl::Graph& mask = flexc::detail::impl_of(v).mask.graph;
-  dsl::EvalEnv env;
-  env.captures = captures;
-  std::vector<double> params;  // the defaults: the benchmark sets none
-  for (const dsl::ParamDecl& p : flexc::detail::impl_of(v).decls.params)
-    params.push_back(p.default_value);
-  env.params = params;
-  std::vector<dsl::Value> scratch;
-  const int64_t S = bm.q_len(), T = bm.q_tile(), K = bm.kv_tile();
-  double kept = 0;
-  for (int64_t qt = 0; qt < bm.num_q_tiles(); ++qt)
-    for (int64_t kt = 0; kt < bm.num_kv_tiles(); ++kt) {
-      const int64_t q1 = std::min(S, (qt + 1) * T), k1 = std::min(bm.kv_len(), (kt + 1) * K);
-      const TileKind kind = bm.tile(0, 0, qt, kt);
-      if (kind == TileKind::Full) kept += double(q1 - qt * T) * double(k1 - kt * K);
-      if (kind != TileKind::Partial) continue;
-      for (int64_t q = qt * T; q < q1; ++q)
-        for (int64_t kv = kt * K; kv < k1; ++kv) {
-          env.ints = {0, 0, 0, q, kv, S, bm.kv_len()};
-          kept += dsl::evaluate(mask, env, dsl::Precision::F32, scratch).i != 0;
-        }
-    }
-  return kept / (double(S) * double(bm.kv_len()));
 }
 
 double median(std::vector<double> v) {
@@ -175,7 +145,6 @@ int main(int argc, char** argv) {
       std::vector<float> slope;
       std::vector<int32_t> doc;
       std::optional<flexc::DeviceBuffer> cap;
-      std::vector<dsl::HostTensor> host_caps;
       if (c.name.starts_with("alibi")) {
         for (int64_t h = 0; h < H; ++h) slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
         cap.emplace(slope.size() * 4);
@@ -206,14 +175,13 @@ int main(int argc, char** argv) {
         cap->upload(doc.data(), doc.size() * 4);
         opts.captures["doc"] = TensorView{cap->get(), DType::I32, {c.s}, {}};
         bmo.captures["doc"] = CaptureData{doc.data(), cap->get(), {c.s}, {}};
-        host_caps.push_back({dsl::DType::I32, doc.data(), {c.s}, {}});
       }
       std::optional<BlockMask> bm;
       double dens = 1;
       if (!v.mask_always_true()) {
         bm = create_block_mask(v, B, H, c.s, c.s, bmo, stream.get());
         opts.block_mask = &*bm;
-        dens = density(v, *bm, host_caps);
+        dens = mask_density(v, *bm, B, H, bmo);
       }
       BackwardOptions bopts;
       if (backward) {

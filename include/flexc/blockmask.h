@@ -129,4 +129,11 @@ class BlockMask {
 BlockMask create_block_mask(const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
                             const BlockMaskOptions& opts = {}, CUstream_st* stream = nullptr);
 
+// The fraction of the (b, h, q, kv) elements that `v`'s mask_mod keeps, as the kernels decide it
+// (float32): `bm`'s full tiles count whole and its partial tiles are evaluated element by element
+// on the CPU. The density that scales a masked attention's FLOPs. `bm` must be the BlockMask
+// create_block_mask(v, B, H, ..., opts) built (the same params, the host copies of the captures).
+double mask_density(const Variant& v, const BlockMask& bm, int64_t B, int64_t H,
+                    const BlockMaskOptions& opts = {});
+
 }  // namespace flexc

@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root, after tools/gpu/pack.sh staged .carry/ here: the
-# [gpu] tests of every test binary, each binary in its own process at once (cold, most of the
-# time is NVRTC compiling kernels on the CPU; they share the JIT cache, which is safe across
-# processes). Logs go to $OUT (default ./out). Optional $1: a Catch2 test spec instead of [gpu].
+# [gpu] tests of every test binary, each test case in its own process, all at once (cold, most
+# of the time is NVRTC compiling kernels on the CPU; they share the JIT cache, which is safe
+# across processes). Logs go to /tmp/flexc-gpu-logs, failed ones also to $OUT (default ./out).
+# Optional $1: a Catch2 test spec instead of [gpu].
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; LOGS=/tmp/flexc-gpu-logs; mkdir -p "$OUT" "$LOGS"
 export LD_LIBRARY_PATH=$PWD/.carry/lib:${LD_LIBRARY_PATH:-}
 export FLEXC_CACHE_DIR=/tmp/flexc-cache
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 spec=${1:-[gpu]}
+# One process per test case: the cases of one binary compile different kernels.
 declare -A pids
+n=0
 for t in .carry/bin/test_*; do
   name=$(basename "$t")
   # (Catch2 v2's --list exits with the number of tests, so read its output, not its status.)
-  [ -n "$("$t" --list-test-names-only "$spec" 2>/dev/null)" ] || continue
-  "$t" "$spec" >"$OUT/$name.log" 2>&1 &
-  pids[$name]=$!
+  while IFS= read -r test_case; do
+    [ -n "$test_case" ] || continue
+    n=$((n + 1))
+    # Catch2 reads ',' in a test spec as "or": escape it.
+    "$t" "${test_case//,/\\,}" >"$LOGS/$name.$n.log" 2>&1 &
+    pids["$name.$n"]=$!
+  done < <("$t" --list-test-names-only "$spec" 2>/dev/null)
 done
 status=0
-for name in $(printf '%s\n' "${!pids[@]}" | sort); do
-  wait "${pids[$name]}"; rc=$?
-  echo "== $name $spec (rc $rc)"
-  tail -n 2 "$OUT/$name.log"
-  [ $rc = 0 ] || status=1
+for job in $(printf '%s\n' "${!pids[@]}" | sort -V); do
+  wait "${pids[$job]}"; rc=$?
+  echo "== $job (rc $rc): $(grep -m1 -E '^(All tests passed|test cases:)' "$LOGS/$job.log")"
+  [ $rc = 0 ] || { status=1; cp "$LOGS/$job.log" "$OUT/"; }
 done
 exit $status
