@@ -15,9 +15,9 @@
 //     P^T from the LSE (hooks on logical (q_idx, kv_idx)) while dP^T runs
 //     dV += P^T dO                        wgmma, P from registers, runs while dS^T is made
 //     dS^T to registers and to the CTA's dS^T tile (both consumers' rows; two buffers)
-//     dK += dS^T Q                        wgmma, dS from registers
 //     dQ_half = dS K[:, half]             wgmma over all 128 kv rows, after both consumers wrote
 //                                         dS^T; consumer c owns dQ's columns [c D/2, (c+1) D/2)
+//     dK += dS^T Q                        wgmma, dS from registers, runs while dQ is staged
 //   and adds its dQ half (float32, staged in the accumulator's fragment order: conflict-free
 //   16-byte stores) into the accumulator with one bulk reduce-add per step. Splitting dQ by
 //   columns rather than by kv rows halves the reduce traffic into L2.
@@ -241,21 +241,12 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
         }
       fence_proxy_async();
     }
-    fence_regs(dsa);
-    fence_regs(dk[0]);
-    wgmma_fence();
-    issue_rs(dk[0], dsa, sm.q_tile(st));
-    wgmma_commit();
-
-    if constexpr (kDeterministic) {
-      wgmma_wait<0>();
-      fence_regs(dv[0]);
-      fence_regs(dk[0]);
-      mbar_arrive(sm.empty(st));  // Q and dO of this stage are read
-    } else {
+    float dq[kHalfNT][4];
+    if constexpr (!kDeterministic) {
+      // dQ first, so that its half is staged while dK += dS^T Q runs.
       named_sync(kDsBarrier, 256);  // both consumers' rows of dS^T are written
       const unsigned ds_tile = sm.ds_tile(it % kDsBuffers);
-      float dq[kHalfNT][4];
+      wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockN; kk += 16) {
         if (kk == 0)
@@ -266,11 +257,14 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
                                    KvTile::mn_major(sm.k, kk, cw * Accum::kHalfCols));
       }
       wgmma_commit();
-      wgmma_wait<1>();
-      fence_regs(dv[0]);
-      fence_regs(dk[0]);
-      mbar_arrive(sm.empty(st));  // Q and dO of this stage are read
-      wgmma_wait<0>();
+    }
+    fence_regs(dsa);
+    fence_regs(dk[0]);
+    wgmma_fence();
+    issue_rs(dk[0], dsa, sm.q_tile(st));
+    wgmma_commit();
+    if constexpr (!kDeterministic) {
+      wgmma_wait<1>();  // dV and dQ
       fence_regs(dq);
       // The dQ half to shared memory in the accumulator's order (once the last step's reduce has
       // read it), then one bulk reduce-add into the accumulator block of this q tile.
@@ -290,6 +284,10 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
         bulk_commit();
       }
     }
+    wgmma_wait<0>();
+    fence_regs(dv[0]);
+    fence_regs(dk[0]);
+    mbar_arrive(sm.empty(st));  // Q and dO of this stage are read
   }
   if constexpr (!kDeterministic) {
     if (leader) bulk_wait<0>();
