@@ -26,6 +26,7 @@
 #include "dsl/emit_cuda.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "flexc/jit.h"
 #include "flexc/variant.h"
 #include "jit/abi.h"
 #include "jit/cache.h"
@@ -281,6 +282,56 @@ TEST_CASE("cache hits and misses, in memory and on disk", "[jit]") {
   CHECK_FALSE(compile(v, eval_spec(), {.use_cache = false}).from_cache);
   CHECK(cache_counters().compiles == c0.compiles + 3);
   CHECK(compile(v, eval_spec()).from_disk);
+}
+
+TEST_CASE("the public JIT API: templates, ahead-of-time compiles, the disk cache", "[jit]") {
+  std::set<std::string> all, sm80, sm90;
+  for (const flexc::KernelInfo& k : flexc::kernel_templates()) all.insert(k.name);
+  for (const flexc::KernelInfo& k : flexc::kernel_templates("sm_80")) sm80.insert(k.name);
+  for (const flexc::KernelInfo& k : flexc::kernel_templates("sm_90")) sm90.insert(k.name);
+  CHECK(all.size() == known_kernels().size());
+  CHECK(all.count("attention_bwd_sm90"));
+  CHECK_FALSE(sm80.count("attention_bwd_sm90"));
+  CHECK(sm90.count("attention_bwd_sm90"));
+  CHECK(sm80.count("attention_fwd"));
+
+  FreshCache cache;
+  const Variant v = fresh_variant();
+  const flexc::KernelBuild builds[] = {{"mods_eval", "sm_80"},
+                                       {"attention_fwd_sm90", "sm_90", "fp16", 64}};
+  const std::vector<flexc::CompiledKernel> out = flexc::compile_kernels(v, builds);
+  REQUIRE(out.size() == 2);
+  CHECK(out[0].arch == "sm_80");
+  CHECK(out[1].arch == "sm_90a");  // the Hopper kernel builds for the arch-specific target
+  for (const flexc::CompiledKernel& c : out) {
+    CHECK(c.origin == flexc::CompiledKernel::Origin::Compiled);
+    CHECK(c.cubin.size() > 0);
+    CHECK(c.source.find("struct FlexcVariant") != std::string::npos);
+  }
+  CHECK(out[1].ptx.find("wgmma.mma_async") != std::string::npos);
+  CHECK(flexc::compile_kernels(v, builds)[0].origin ==
+        flexc::CompiledKernel::Origin::MemoryCache);
+  CHECK(flexc::compile_kernels(v, builds, false)[0].origin ==
+        flexc::CompiledKernel::Origin::Compiled);
+  const flexc::KernelBuild unknown[] = {{"attention_nope", "sm_90"}};
+  CHECK_THROWS_WITH(flexc::compile_kernels(v, unknown),
+                    Catch::Contains("unknown kernel 'attention_nope'") &&
+                        Catch::Contains("attention_fwd"));
+
+  const flexc::KernelCacheInfo info = flexc::kernel_cache_info();
+  CHECK(info.dir == cache.dir.path.string());
+  CHECK(info.enabled);
+  CHECK(info.entries == 2);
+  CHECK(info.bytes > out[0].cubin.size());
+  const std::vector<flexc::KernelCacheEntry> entries = flexc::kernel_cache_entries();
+  REQUIRE(entries.size() == 2);
+  const bool listed = entries[0].description.find("mods_eval.cuh") != std::string::npos ||
+                      entries[1].description.find("mods_eval.cuh") != std::string::npos;
+  CHECK(listed);
+  const auto age = std::chrono::system_clock::now() - entries[0].last_used;
+  CHECK(age < std::chrono::minutes(5));
+  CHECK(flexc::clear_kernel_cache() == 2);
+  CHECK(flexc::kernel_cache_info().entries == 0);
 }
 
 TEST_CASE("truncated, corrupt and foreign cache files are dropped and recompiled", "[jit]") {

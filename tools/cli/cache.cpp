@@ -1,6 +1,4 @@
 // `flexc cache dir|list|stats|clear`: the JIT's disk cache of compiled kernels.
-#include "jit/cache.h"
-
 #include <fmt/format.h>
 
 #include <chrono>
@@ -10,14 +8,15 @@
 
 #include "cli/args.h"
 #include "cli/command.h"
+#include "flexc/jit.h"
 
 namespace flexc::cli {
 namespace {
 
-std::string age(std::filesystem::file_time_type t) {
-  const auto s = std::chrono::duration_cast<std::chrono::seconds>(
-                     std::filesystem::file_time_type::clock::now() - t)
-                     .count();
+std::string age(std::chrono::system_clock::time_point t) {
+  const auto s =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now() - t)
+          .count();
   if (s < 120) return fmt::format("{} s ago", s);
   if (s < 7200) return fmt::format("{} min ago", s / 60);
   if (s < 172800) return fmt::format("{} h ago", s / 3600);
@@ -25,32 +24,28 @@ std::string age(std::filesystem::file_time_type t) {
 }
 
 void run(const std::string& what) {
-  const jit::DiskCache cache(jit::CacheSettings::from_env());
-  const jit::CacheSettings& s = cache.settings();
-  const std::string off = cache.enabled() ? "" : " (disk cache disabled)";
+  const KernelCacheInfo c = kernel_cache_info();
+  const std::string off = c.enabled ? "" : " (disk cache disabled)";
   if (what == "dir") {
-    fmt::print("{}{}\n", s.dir.string(), off);
+    fmt::print("{}{}\n", c.dir, off);
   } else if (what == "list") {
-    for (const jit::DiskCache::Item& it : cache.list())
+    for (const KernelCacheEntry& it : kernel_cache_entries())
       fmt::print("{}  {:>10}  {:>14}  {}\n", it.key.substr(0, 16), human_bytes(it.bytes),
                  age(it.last_used),
                  it.description.empty() ? "(unreadable: dropped on next use)" : it.description);
   } else if (what == "stats") {
-    const size_t n = cache.list().size();
-    const uint64_t bytes = cache.total_bytes();
-    const jit::DiskCache::Leftovers l = cache.leftovers();
     fmt::print(
         "directory: {}{}\nentries:   {}\nsize:      {} of {} ({:.1f}%)\n"
         "temporary: {} file{} ({}; from writes in progress or killed processes; removed once "
         "{} min old)\nlocks:     {} file{} (removed once unused for {} min)\n",
-        s.dir.string(), off, n, human_bytes(bytes), human_bytes(s.max_bytes),
-        s.max_bytes ? 100.0 * static_cast<double>(bytes) / static_cast<double>(s.max_bytes) : 0.0,
-        l.temp_files, l.temp_files == 1 ? "" : "s", human_bytes(l.temp_bytes),
-        jit::DiskCache::kStaleSeconds / 60, l.lock_files, l.lock_files == 1 ? "" : "s",
-        jit::DiskCache::kStaleSeconds / 60);
+        c.dir, off, c.entries, human_bytes(c.bytes), human_bytes(c.max_bytes),
+        c.max_bytes ? 100.0 * static_cast<double>(c.bytes) / static_cast<double>(c.max_bytes)
+                    : 0.0,
+        c.temp_files, c.temp_files == 1 ? "" : "s", human_bytes(c.temp_bytes),
+        c.stale_seconds / 60, c.lock_files, c.lock_files == 1 ? "" : "s", c.stale_seconds / 60);
   } else {
-    const size_t n = cache.clear();
-    fmt::print("removed {} entr{} from {}{}\n", n, n == 1 ? "y" : "ies", s.dir.string(), off);
+    const size_t n = clear_kernel_cache();
+    fmt::print("removed {} entr{} from {}{}\n", n, n == 1 ? "y" : "ies", c.dir, off);
   }
 }
 

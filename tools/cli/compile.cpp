@@ -16,9 +16,8 @@
 #include "cli/command.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "flexc/jit.h"
 #include "flexc/variant.h"
-#include "jit/jit.h"
-#include "jit/kernels.h"
 
 namespace flexc::cli {
 namespace {
@@ -68,16 +67,14 @@ void run(const Options& o) {
     throw Error(
         "no GPU here to take the architecture from: name it with --arch (e.g. --arch sm_90)");
 
-  std::vector<const jit::KnownKernel*> kernels;
-  // "all": the kernels that can be built for the arch (the Hopper kernel only for sm_90 / sm_90a).
-  const std::string arch = o.arch.empty() ? flexc::current_arch() : o.arch;
+  // "all": the kernels that can be built for the arch (the Hopper kernels only for sm_90 / sm_90a).
+  std::vector<KernelBuild> builds;
   if (o.kernels == "all")
-    kernels = jit::kernels_for_arch(arch);
+    for (const KernelInfo& k : kernel_templates(o.arch.empty() ? current_arch() : o.arch))
+      builds.push_back({k.name, o.arch, o.dtype, o.head_dim});
   else
-    for (const std::string& name : split(o.kernels, "--kernel")) kernels.push_back(&jit::find_kernel(name));
-  const jit::KernelConfig cfg{o.arch, o.dtype, o.head_dim};
-  std::vector<jit::KernelSpec> specs;
-  for (const jit::KnownKernel* k : kernels) specs.push_back(k->spec(cfg));
+    for (const std::string& name : split(o.kernels, "--kernel"))
+      builds.push_back({name, o.arch, o.dtype, o.head_dim});
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
   for (const std::string& e : o.emit.empty() ? std::vector<std::string>{} : split(o.emit, "--emit")) {
@@ -96,27 +93,28 @@ void run(const Options& o) {
 
   for (const std::string& config : o.configs) {
     const Variant v = Variant::load(config);
-    const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
+    const std::vector<CompiledKernel> out = compile_kernels(v, builds);
     for (size_t i = 0; i < out.size(); ++i) {
-      const jit::Compiled& c = out[i];
-      const std::string how = c.from_disk    ? "disk cache"
-                              : c.from_cache ? "memory cache"
-                                             : "compiled";
+      const CompiledKernel& c = out[i];
+      const std::string how = c.origin == CompiledKernel::Origin::DiskCache     ? "disk cache"
+                              : c.origin == CompiledKernel::Origin::MemoryCache ? "memory cache"
+                                                                                : "compiled";
       std::string line =
           fmt::format("{}: {} ({}): {}, key {}, cubin {} bytes, ptx {} bytes", v.name(),
-                      kernels[i]->name, specs[i].arch.empty() ? "this GPU" : specs[i].arch, how,
+                      builds[i].kernel, c.arch.empty() ? "this GPU" : c.arch, how,
                       c.key.substr(0, 16), c.cubin.size(), c.ptx.size());
-      if (o.timings && !c.from_cache) line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
+      if (o.timings && c.origin == CompiledKernel::Origin::Compiled)
+        line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
       fmt::print("{}\n", line);
-      const std::string stem = fmt::format("{}.{}.{}", file_stem(v.name()), kernels[i]->name,
-                                           specs[i].arch.empty() ? "gpu" : specs[i].arch);
+      const std::string stem = fmt::format("{}.{}.{}", file_stem(v.name()), builds[i].kernel,
+                                           c.arch.empty() ? "gpu" : c.arch);
       if (want_cu) write_file(dir / (stem + ".cu"), c.source);
       if (want_ptx) write_file(dir / (stem + ".ptx"), c.ptx);
       if (want_cubin) {
         if (c.cubin.empty())
           throw Error(
               fmt::format("{} has no cubin: '{}' is a virtual architecture (use --emit ptx)", stem,
-                          specs[i].arch));
+                          c.arch));
         write_file(dir / (stem + ".cubin"), c.cubin);
       }
     }
@@ -142,7 +140,7 @@ const Register reg{
           ->check(int_range(1, 1024))
           ->capture_default_str();
       std::string names;
-      for (const jit::KnownKernel& k : jit::known_kernels())
+      for (const KernelInfo& k : kernel_templates())
         names += fmt::format("\n  {}: {}", k.name, k.description);
       c->add_option("--kernel", o->kernels, "comma-separated kernels, or all:" + names)
           ->capture_default_str();

@@ -1,0 +1,81 @@
+// include/flexc/jit.h over the JIT's own interfaces (jit.h, kernels.h, cache.h).
+#include "flexc/jit.h"
+
+#include "jit/cache.h"
+#include "jit/jit.h"
+#include "jit/kernels.h"
+
+namespace flexc {
+
+namespace {
+
+KernelInfo info_of(const jit::KnownKernel& k) {
+  return {std::string(k.name), std::string(k.description), std::string(k.only_arch)};
+}
+
+std::chrono::system_clock::time_point to_system(std::filesystem::file_time_type t) {
+  return std::chrono::time_point_cast<std::chrono::system_clock::duration>(
+      t - std::filesystem::file_time_type::clock::now() + std::chrono::system_clock::now());
+}
+
+}  // namespace
+
+std::vector<KernelInfo> kernel_templates(std::string_view arch) {
+  std::vector<KernelInfo> out;
+  if (arch.empty())
+    for (const jit::KnownKernel& k : jit::known_kernels()) out.push_back(info_of(k));
+  else
+    for (const jit::KnownKernel* k : jit::kernels_for_arch(arch)) out.push_back(info_of(*k));
+  return out;
+}
+
+std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const KernelBuild> builds,
+                                            bool use_cache) {
+  std::vector<jit::KernelSpec> specs;
+  for (const KernelBuild& b : builds)
+    specs.push_back(jit::find_kernel(b.kernel).spec({b.arch, b.dtype, b.head_dim}));
+  std::vector<CompiledKernel> out;
+  std::vector<jit::Compiled> compiled = jit::compile_all(v, specs, {.use_cache = use_cache});
+  for (size_t i = 0; i < compiled.size(); ++i) {
+    jit::Compiled& c = compiled[i];
+    CompiledKernel k;
+    k.arch = specs[i].arch;
+    k.key = std::move(c.key);
+    k.source = std::move(c.source);
+    k.ptx = std::move(c.ptx);
+    k.cubin = std::move(c.cubin);
+    k.origin = c.from_disk    ? CompiledKernel::Origin::DiskCache
+               : c.from_cache ? CompiledKernel::Origin::MemoryCache
+                              : CompiledKernel::Origin::Compiled;
+    k.compile_seconds = c.compile_seconds;
+    out.push_back(std::move(k));
+  }
+  return out;
+}
+
+KernelCacheInfo kernel_cache_info() {
+  const jit::DiskCache cache(jit::CacheSettings::from_env());
+  const jit::DiskCache::Leftovers l = cache.leftovers();
+  KernelCacheInfo info;
+  info.dir = cache.settings().dir.string();
+  info.enabled = cache.enabled();
+  info.max_bytes = cache.settings().max_bytes;
+  info.bytes = cache.total_bytes();
+  info.entries = cache.list().size();
+  info.temp_files = l.temp_files;
+  info.temp_bytes = l.temp_bytes;
+  info.lock_files = l.lock_files;
+  info.stale_seconds = jit::DiskCache::kStaleSeconds;
+  return info;
+}
+
+std::vector<KernelCacheEntry> kernel_cache_entries() {
+  std::vector<KernelCacheEntry> out;
+  for (const jit::DiskCache::Item& it : jit::DiskCache(jit::CacheSettings::from_env()).list())
+    out.push_back({it.key, it.bytes, to_system(it.last_used), it.description});
+  return out;
+}
+
+size_t clear_kernel_cache() { return jit::DiskCache(jit::CacheSettings::from_env()).clear(); }
+
+}  // namespace flexc
