@@ -84,8 +84,13 @@ bool in_range(Input i, const Dim& dim) {
 // defined before its use). Inputs and constants are used in place.
 class BodyWriter {
  public:
-  BodyWriter(const Graph& g, const Decls& decls, std::string_view marker)
-      : g_(g), decls_(decls), marker_(marker), value_(g.size(), 0), offset_(g.size(), 0) {}
+  BodyWriter(const Graph& g, const Decls& decls, std::string_view marker, FloatMath math)
+      : g_(g),
+        decls_(decls),
+        marker_(marker),
+        fast_(math == FloatMath::Fast),
+        value_(g.size(), 0),
+        offset_(g.size(), 0) {}
 
   // Asks for `id`'s value; write() adds whatever it reads.
   void need_value(NodeId id) { value_[id] = 1; }
@@ -99,6 +104,7 @@ class BodyWriter {
       if (n.op == Op::Load) offset_[id] = 1;
       for (NodeId a : n.operands()) value_[a] = 1;
     }
+    if (fast_) mark_exact();
     std::string out;
     for (NodeId id = 0; id < g_.size(); ++id) {
       const Node& n = g_[id];
@@ -125,6 +131,38 @@ class BodyWriter {
     out += fmt::format("    const {} {} = {};", type, name, init);
     if (!n.src.empty()) out += fmt::format("  // @{}:{}:{}", marker_, n.src.begin, n.src.end);
     out += '\n';
+  }
+
+  // Fast math must never change a discrete outcome: a float that reaches int(), floor, ceil,
+  // sign, a comparison or a floored float op (a bucket, an index, a branch; e.g. t5_bias's
+  // int(2 * log2(n / 8))) is computed exactly, and so is everything it is computed from. Run once
+  // the needed nodes are known.
+  void mark_exact() {
+    exact_.assign(g_.size(), 0);
+    for (NodeId id = static_cast<NodeId>(g_.size()); id-- > 0;) {
+      const Node& n = g_[id];
+      bool seed = false;
+      switch (n.op) {
+        case Op::ToInt:
+        case Op::Floor:
+        case Op::Ceil:
+        case Op::Sign:
+        case Op::FloorDiv:
+        case Op::Mod:
+        case Op::Lt:
+        case Op::Le:
+        case Op::Gt:
+        case Op::Ge:
+        case Op::Eq:
+        case Op::Ne:
+          seed = true;
+          break;
+        default:
+          break;
+      }
+      if ((value_[id] || offset_[id]) && (seed || exact_[id]))
+        for (NodeId a : n.operands()) exact_[a] = 1;
+    }
   }
 
   std::string offset_expr(const Node& n) const {
@@ -160,6 +198,41 @@ class BodyWriter {
     // Int ops and Float ops differ in name only; `operand` is the type the args were promoted to.
     const Type operand = n.nargs ? g_[n.args[n.op == Op::Select ? 1 : 0]].type : n.type;
     const bool f = operand == Type::Float;
+    // Fast float math: contractible operators and approximate instructions, except where a
+    // discrete outcome depends on the value (mark_exact). pow stays exact (the fast form is NaN
+    // for negative bases).
+    if (fast_ && !exact_[id] && n.type == Type::Float) {
+      switch (n.op) {
+        case Op::Add:
+          return infix("+");
+        case Op::Sub:
+          return infix("-");
+        case Op::Mul:
+          return infix("*");
+        case Op::Div:
+          return call("flexc_fast_div");
+        case Op::Exp:
+          return call("flexc_fast_exp");
+        case Op::Exp2:
+          return call("flexc_fast_exp2");
+        case Op::Log:
+          return call("flexc_fast_log");
+        case Op::Log2:
+          return call("flexc_fast_log2");
+        case Op::Sqrt:
+          return call("flexc_fast_sqrt");
+        case Op::Rsqrt:
+          return call("flexc_fast_rsqrt");
+        case Op::Sigmoid:
+          return call("flexc_fast_sigmoid");
+        case Op::Sin:
+          return call("flexc_fast_sin");
+        case Op::Cos:
+          return call("flexc_fast_cos");
+        default:
+          break;
+      }
+    }
     switch (n.op) {
       case Op::Const:
       case Op::Input:
@@ -266,7 +339,8 @@ class BodyWriter {
   const Graph& g_;
   const Decls& decls_;
   std::string_view marker_;
-  std::vector<char> value_, offset_;
+  bool fast_;
+  std::vector<char> value_, offset_, exact_;
 };
 
 constexpr const char* kScoreParams =
@@ -283,9 +357,9 @@ std::string hook(const char* ret, const char* name, const char* params, const st
 }
 
 // A function returning the value of `g.root`.
-std::string value_hook(const Graph& g, const Decls& decls, std::string_view marker, const char* ret,
-                       const char* name, const char* params) {
-  BodyWriter w(g, decls, marker);
+std::string value_hook(const Graph& g, const Decls& decls, std::string_view marker, FloatMath math,
+                       const char* ret, const char* name, const char* params) {
+  BodyWriter w(g, decls, marker, math);
   w.need_value(g.root);
   std::string body = w.write();
   body += fmt::format("    return {};\n", w.ref(g.root));
@@ -326,9 +400,14 @@ std::string emit_cuda_variant(const EmitInput& in) {
   std::vector<LoadDerivative> loads = derivatives_wrt_loads(cg, cg.root);
   for (LoadDerivative& ld : loads) ld.derivative = simplify_into(cg, ld.derivative);
 
+  // Whether any capture gradient reads the score (the kernels then keep the pre-mod scores).
+  bool grads_read_score = false;
+  for (const LoadDerivative& ld : loads)
+    grads_read_score |= dependencies(cg, ld.derivative).reads(Input::Score);
   const Deps mdeps = dependencies(mask, mask.root);
   std::string out = fmt::format(
-      "// Generated by flexc from variant '{}'. Do not edit: flexc regenerates it.\n"
+      "// Generated by flexc from variant '{}' ({} float math in score_mod). Do not edit: flexc\n"
+      "// regenerates it.\n"
       "#pragma once\n"
       "#include \"flexc_hooks.cuh\"\n\n"
       "struct FlexcVariant {{\n"
@@ -338,23 +417,26 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kMaskReadsH = {};\n"
       "  static constexpr bool kScoreGradIsOne = {};\n"
       "  static constexpr bool kHasCaptureGrads = {};\n"
-      "  static constexpr int kCaptureGradLoads = {};\n\n",
-      sanitise(in.variant_name), is_identity_score(score, score.root),
-      is_all_true_mask(mask, mask.root), mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one,
-      !loads.empty(), loads.size());
+      "  static constexpr int kCaptureGradLoads = {};\n"
+      "  static constexpr bool kCaptureGradsReadScore = {};\n\n",
+      sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
+      is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
+      mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
+      grads_read_score);
 
-  out += value_hook(score, decls, "score_mod", "float", "score_mod", kScoreParams);
-  out += value_hook(mask, decls, "mask_mod", "bool", "mask_mod", kMaskParams);
-  out += value_hook(dscore, decls, "score_mod", "float", "score_mod_grad", kScoreParams);
+  const FloatMath math = in.score_math;
+  out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);
+  out += value_hook(mask, decls, "mask_mod", FloatMath::Exact, "bool", "mask_mod", kMaskParams);
+  out += value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams);
 
-  BodyWriter w(cg, decls, "score_mod");
+  BodyWriter w(cg, decls, "score_mod", math);
   for (const LoadDerivative& ld : loads) {
     w.need_offset(ld.load);
     w.need_value(ld.derivative);
   }
   std::string body = w.write();
   for (size_t k = 0; k < loads.size(); ++k)
-    body += fmt::format("    grads.add({}, a.captures[{}], o{}, __fmul_rn(grad_score, {}));\n", k,
+    body += fmt::format("    grads.add({}, a.captures[{}], o{}, grad_score, {});\n", k,
                         cg[loads[k].load].slot, loads[k].load, w.ref(loads[k].derivative));
   out += "  template <class Sink>\n" + hook("void", "accumulate_capture_grads", kGradParams, body);
   out += "};\n";

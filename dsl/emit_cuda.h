@@ -8,12 +8,21 @@
 
 namespace flexc::dsl {
 
+// How score_mod's float operations are written (docs/dsl.md, "Precision"). Exact: each one
+// rounded as IEEE float32 (the interpreter's F32 mode, bit for bit). Fast: the GPU's approximate
+// instructions (ex2 / lg2 / sin / cos / rsqrt / sqrt / rcp .approx, fast division; a few ulp
+// each) and + - * left for the compiler to contract into FMAs, except where a float decides a
+// discrete outcome. mask_mod is always exact: the BlockMask's analysis decides tiles from its
+// exact semantics.
+enum class FloatMath { Exact, Fast };
+
 // Everything the kernels' hooks need from one variant.
 struct EmitInput {
   const Graph* score = nullptr;  // root: Float; reads Input::Score
   const Graph* mask = nullptr;   // root: Bool
   const Decls* decls = nullptr;
   std::string variant_name;      // only written into a comment, sanitised
+  FloatMath score_math = FloatMath::Exact;  // score_mod, its derivatives and capture gradients
 };
 
 // Emits the text of `flexc_variant.cuh`, a header defining `struct FlexcVariant` with the hooks

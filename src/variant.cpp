@@ -380,7 +380,8 @@ VariantImpl combine_masks(dsl::Op op, const VariantImpl& a, const VariantImpl& b
     out.score = import_mod(b.score, m.maps[1]);
   } else {
     out.score = import_mod(a.score, m.maps[0]);
-    if (out.score.graph.import(b.score.graph, b.score.graph.root, m.maps[1]) != out.score.graph.root)
+    if (out.score.graph.import(b.score.graph, b.score.graph.root, m.maps[1]) !=
+        out.score.graph.root)
       throw Error(
           fmt::format("{}: both variants modify the score ({} and {}); combine the "
                       "masks of variants of which at most one has a score_mod, or "
@@ -388,6 +389,7 @@ VariantImpl combine_masks(dsl::Op op, const VariantImpl& a, const VariantImpl& b
                       context, in_quotes(a.name), in_quotes(b.name)));
   }
   out.mask = combined_mask(op, a, b, m, context);
+  out.precision = combined_precision(a, b);
   apply_decls(out, std::move(m));
   return out;
 }
@@ -558,6 +560,7 @@ Variant build_variant(const VariantConfig& config, std::string_view origin) {
   VariantImpl impl;
   impl.name = config.name;
   impl.description = config.description;
+  impl.precision = config.precision;
   declare(impl, config.captures, config.params, origin);
   impl.score = parse(dsl::ModKind::Score, config.score_mod, impl.decls,
                      fmt::format("{}: score_mod", origin));
@@ -644,12 +647,28 @@ ModDeps Variant::score_deps() const { return detail::mod_deps(impl_->score, impl
 ModDeps Variant::mask_deps() const { return detail::mod_deps(impl_->mask, impl_->decls); }
 bool Variant::identity_score() const { return detail::is_identity(impl_->score); }
 bool Variant::mask_always_true() const { return detail::is_true(impl_->mask); }
+Precision Variant::precision() const { return impl_->precision; }
 
 Variant Variant::renamed(std::string name) const {
   detail::check_variant_name(name, fmt::format("renaming {}", detail::in_quotes(impl_->name)));
   auto copy = std::make_shared<VariantImpl>(*impl_);
   copy->name = std::move(name);
   return Variant(std::move(copy));
+}
+
+Variant Variant::with_precision(Precision p) const {
+  auto copy = std::make_shared<VariantImpl>(*impl_);
+  copy->precision = p;
+  return Variant(std::move(copy));
+}
+
+std::string_view to_string(Precision p) { return p == Precision::Fast ? "fast" : "exact"; }
+
+Precision parse_precision(std::string_view text, std::string_view what) {
+  if (text == "fast") return Precision::Fast;
+  if (text == "exact") return Precision::Exact;
+  throw Error(fmt::format("{}: {} is not a precision; use \"fast\" or \"exact\"", what,
+                          detail::in_quotes(text)));
 }
 
 Variant and_masks(const Variant& a, const Variant& b) {
@@ -664,8 +683,8 @@ Variant or_masks(const Variant& a, const Variant& b) {
   const std::string context = fmt::format("or_masks({}, {})", a.name(), b.name());
   return detail::named(
       detail::combine_masks(dsl::Op::Or, detail::impl_of(a), detail::impl_of(b), context),
-      a.name() + "_or_" + b.name(),
-      fmt::format("mask of '{}' or mask of '{}'", a.name(), b.name()), context);
+      a.name() + "_or_" + b.name(), fmt::format("mask of '{}' or mask of '{}'", a.name(), b.name()),
+      context);
 }
 
 Variant not_mask(const Variant& a) {
@@ -693,6 +712,7 @@ Variant compose(const Variant& outer, const Variant& inner) {
     out.score = detail::assembled(dsl::ModKind::Score, g, context);
   }
   out.mask = detail::combined_mask(dsl::Op::And, o, i, m, context);
+  out.precision = detail::combined_precision(o, i);
   detail::apply_decls(out, std::move(m));
   return detail::named(std::move(out), outer.name() + "_of_" + inner.name(),
                        fmt::format("score_mod of '{}' applied to that of '{}', masks of both",

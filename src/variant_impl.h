@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dsl/emit_cuda.h"
 #include "dsl/ir.h"
 #include "flexc/variant.h"
 
@@ -30,7 +31,20 @@ struct VariantImpl {
   // mask_mod. Const params are folded; runtime params appear as Param nodes. A mod built by
   // composing two others has an empty `source` and no source ranges on its nodes.
   dsl::Mod score, mask;
+  Precision precision = Precision::Fast;
 };
+
+// The precision of a variant combined from a and b: Exact if either is.
+inline Precision combined_precision(const VariantImpl& a, const VariantImpl& b) {
+  return a.precision == Precision::Exact || b.precision == Precision::Exact ? Precision::Exact
+                                                                            : Precision::Fast;
+}
+
+// What the CUDA emitter takes from a variant (the kernels' flexc_variant.cuh).
+inline dsl::EmitInput emit_input(const VariantImpl& v) {
+  return {&v.score.graph, &v.mask.graph, &v.decls, v.name,
+          v.precision == Precision::Fast ? dsl::FloatMath::Fast : dsl::FloatMath::Exact};
+}
 
 // ---- A variant as a config describes it, before checking. The JSON loader (variant_json.cpp)
 // produces one; build_variant (variant.cpp) checks it. `path` fields name the place in the
@@ -49,6 +63,7 @@ struct VariantConfig {
   std::vector<ParamSpec> params;      // paths params[i].name / .type / .default
   std::string score_mod = "score";
   MaskConfig mask{MaskConfig::Kind::Expr, "true", "mask_mod", {}};
+  Precision precision = Precision::Fast;
 };
 
 // Checks everything; throws flexc::Error whose message starts with `origin`.

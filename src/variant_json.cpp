@@ -101,11 +101,14 @@ size_t find_number(std::string_view text, std::string_view number) {
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
     if (in_string) {
-      if (text[i] == '\\') ++i;
-      else if (text[i] == '"') in_string = false;
+      if (text[i] == '\\')
+        ++i;
+      else if (text[i] == '"')
+        in_string = false;
     } else if (text[i] == '"') {
       in_string = true;
-    } else if (text.substr(i, number.size()) == number && (i == 0 || !part_of_number(text[i - 1])) &&
+    } else if (text.substr(i, number.size()) == number &&
+               (i == 0 || !part_of_number(text[i - 1])) &&
                (i + number.size() == text.size() || !part_of_number(text[i + number.size()]))) {
       return i;
     }
@@ -251,6 +254,14 @@ class Reader {
     return c;
   }
 
+  Precision precision(const json& j, const std::string& path) const {
+    const std::string p = string(j, path);
+    if (p != "fast" && p != "exact")
+      fail(path, fmt::format("expected one of fast, exact, got {}{}", in_quotes(p),
+                             did_you_mean(p, {"fast", "exact"})));
+    return p == "fast" ? Precision::Fast : Precision::Exact;
+  }
+
   ParamSpec param(const json& j, const std::string& path) const {
     keys(object(j, path), path, {"name", "type", "default", "kind"}, {"name", "type", "default"});
     ParamSpec p;
@@ -290,12 +301,14 @@ VariantConfig parse_variant_json(std::string_view text, std::string_view origin)
   const json j = parse_json(text, origin);
   Reader r(origin);
   r.keys(r.object(j, "(top level)"), "",
-         {"name", "description", "score_mod", "mask_mod", "captures", "params"}, {"name"});
+         {"name", "description", "score_mod", "mask_mod", "captures", "params", "precision"},
+         {"name"});
   VariantConfig c;
   c.name = r.string(j["name"], "name");
   if (j.contains("description")) c.description = r.string(j["description"], "description");
   if (j.contains("score_mod")) c.score_mod = r.expression(j["score_mod"], "score_mod");
   if (j.contains("mask_mod")) c.mask = r.mask(j["mask_mod"], "mask_mod");
+  if (j.contains("precision")) c.precision = r.precision(j["precision"], "precision");
   if (j.contains("captures")) {
     const json& list = r.array(j["captures"], "captures");
     for (size_t i = 0; i < list.size(); ++i)

@@ -185,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
         ldmatrix_x4(bf, frag_b_q(q_tile(stage), n, kk / 8));
       });
     }
-    float x[FlexcVariant::kHasCaptureGrads ? kNT : 1][4];
+    float x[flexc_attn::kKeepPreMod ? kNT : 1][4];
     flexc_attn::keep_pre_mod(s[0], p.scale, x);
     float grad[1][kGrad ? kNT : 1][4];
     Scores::apply_mods<kGrad>(s, grad, p, args, b, hq, row0, q0, partial);
@@ -222,14 +222,13 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     // score_mod of -inf) dS is exactly 0 whatever the derivative there.
     const float* delta = delta_of(stage);
     const Scores::Idx idx = Scores::index(row0, q0, p);
-    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool in) {
+    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool) {
       const float pv = s[0][j][e];
-      if constexpr (FlexcVariant::kHasCaptureGrads) {
-        const float ds = pv * (dp[0][j][e] - delta[j * 8 + (lane & 3) * 2 + (e & 1)]);
-        if (want_capture_grads && in && pv != 0.f)
-          FlexcVariant::accumulate_capture_grads(args, capture_grads, ds, x[j][e], b, hq, q_idx,
-                                                 kv_idx, p.q_len, p.kv_len);
-      }
+      if constexpr (FlexcVariant::kHasCaptureGrads)
+        if (want_capture_grads)
+          flexc_attn::add_capture_grads(capture_grads, args, p, pv, dp[0][j][e],
+                                        delta[j * 8 + (lane & 3) * 2 + (e & 1)], x, j, e, b, hq,
+                                        q_idx, kv_idx);
       dp[0][j][e] = dscore<kGrad>(pv, dp[0][j][e], delta[j * 8 + (lane & 3) * 2 + (e & 1)],
                                   grad[0][kGrad ? j : 0][e]);
     });

@@ -189,7 +189,7 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
     fence_regs(s[0]);
 
     // P^T while dP^T runs.
-    float x[CAPTURE_GRADS ? kNT : 1][4];
+    float x[CAPTURE_GRADS && flexc_attn::kKeepPreMod ? kNT : 1][4];
     flexc_attn::keep_pre_mod(s[0], p.scale, x);
     float grad[1][kGrad ? kNT : 1][4];
     Scores::apply_mods<kGrad>(s, grad, p, args, b, hq, row0, q0, partial);
@@ -213,15 +213,12 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
     wgmma_wait<1>();
     fence_regs(dp[0]);
     const Scores::Idx idx = Scores::index(row0, q0, p);
-    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool in) {
+    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool) {
       const int c = j * 8 + (lane & 3) * 2 + (e & 1);
       const float pv = s[0][j][e];
-      if constexpr (CAPTURE_GRADS) {
-        if (in && pv != 0.f)
-          FlexcVariant::accumulate_capture_grads(args, capture_grads,
-                                                 pv * (dp[0][j][e] - delta[c]), x[j][e], b, hq,
-                                                 q_idx, kv_idx, p.q_len, p.kv_len);
-      }
+      if constexpr (CAPTURE_GRADS)
+        flexc_attn::add_capture_grads(capture_grads, args, p, pv, dp[0][j][e], delta[c], x, j, e,
+                                      b, hq, q_idx, kv_idx);
       dp[0][j][e] = dscore<kGrad>(pv, dp[0][j][e], delta[c], grad[0][kGrad ? j : 0][e]);
     });
     unsigned dsa[kNT / 2][4];

@@ -252,8 +252,8 @@ __device__ __forceinline__ float units_ln(const FlexcAttentionParams& p) {
 }
 
 // The pre-mod scores (scale * q.k) of a warp's fragment tile, kept before the hooks overwrite
-// them: capture gradients are taken there. `x` is [NT][4] when the variant has capture gradients,
-// else a [1][4] placeholder, left alone.
+// them: capture gradients are taken there. `x` is [NT][4] when the variant's capture gradients
+// read the score (kKeepPreMod), else a [1][4] placeholder, left alone.
 template <int NT, int XN>
 __device__ __forceinline__ void keep_pre_mod(const float (&s)[NT][4], float scale,
                                              float (&x)[XN][4]) {
@@ -263,6 +263,22 @@ __device__ __forceinline__ void keep_pre_mod(const float (&s)[NT][4], float scal
 #pragma unroll
       for (int e = 0; e < 4; ++e) x[j][e] = s[j][e] * scale;
   }
+}
+
+// The capture-gradient contributions of score (j, e) of a backward kernel's step: P, dP and the
+// row's delta; x the pre-mod scores, [NT][4] when the variant's gradients read the score
+// (kKeepPreMod), else a [1][4] placeholder. Called for every score, without a branch: where P
+// is 0 (masked, past a length) grad_score is 0 and the sink adds nothing.
+constexpr bool kKeepPreMod = FlexcVariant::kCaptureGradsReadScore;
+template <class Sink, int XN>
+__device__ __forceinline__ void add_capture_grads(Sink& sink, const FlexcArgs& args,
+                                                  const FlexcAttentionParams& p, float pv,
+                                                  float dp, float delta, const float (&x)[XN][4],
+                                                  int j, int e, int b, int h, int q_idx,
+                                                  int kv_idx) {
+  const float grad_score = pv == 0.f ? 0.f : pv * (dp - delta);
+  FlexcVariant::accumulate_capture_grads(args, sink, grad_score, XN > 1 ? x[j][e] : 0.f, b, h,
+                                         q_idx, kv_idx, p.q_len, p.kv_len);
 }
 
 // The backward's float32 dQ accumulator (FlexcAttentionBwdParams::dq_accum): per (batch, query

@@ -14,6 +14,7 @@
 //   static constexpr bool kScoreGradIsOne;   // d score_mod / d score == 1 everywhere
 //   static constexpr bool kHasCaptureGrads;  // score_mod reads a float capture differentiably
 //   static constexpr int kCaptureGradLoads;  // how many of its loads do (0 when none)
+//   static constexpr bool kCaptureGradsReadScore;  // a capture gradient reads the pre-mod score
 //
 //   __device__ static float score_mod(const FlexcArgs& a, float score, int b, int h,
 //                                     int q_idx, int kv_idx, int q_len, int kv_len);
@@ -23,7 +24,9 @@
 //   __device__ static float score_mod_grad(const FlexcArgs& a, float score, int b, int h,
 //                                          int q_idx, int kv_idx, int q_len, int kv_len);
 //   // adds grad_score * d score_mod / d capture[idx] into each read float capture's `grad`,
-//   // through a FlexcGradSink<kCaptureGradLoads> (below) that the kernel flushes
+//   // through a FlexcGradSink<kCaptureGradLoads> (below) that the kernel flushes at its end;
+//   // grad_score is 0 where nothing may be added (P = 0), and `score` is read only when
+//   // kCaptureGradsReadScore
 //   template <class Sink>
 //   __device__ static void accumulate_capture_grads(const FlexcArgs& a, Sink& grads,
 //                                                   float grad_score, float score, int b, int h,
@@ -147,6 +150,56 @@ __device__ __forceinline__ float flexc_sigmoidf(float x) {
 }
 __device__ __forceinline__ float flexc_rsqrtf(float x) { return __fdiv_rn(1.0f, sqrtf(x)); }
 
+// ---- Precision::Fast (docs/dsl.md, "Precision"): score_mod's float math without IEEE rounding
+// and its slow paths (the exact division's subroutine call, sinf's long range reduction), on the
+// GPU's approximate instructions: a few ulp each, accurate enough that the tolerance rule holds
+// for the LSE too. tanh needs no fast form: CUDA's tanhf is already branch-free ex2 / rcp.approx
+// code of 2 ulp (tanh.approx.f32, 2^-11, is not accurate enough). In the host build of the hooks
+// (tests/test_emit.cpp) each is the exact operation.
+#ifdef __CUDA_ARCH__
+#define FLEXC_APPROX(name, instruction)             \
+  __device__ __forceinline__ float name(float x) {  \
+    float y;                                        \
+    asm(instruction " %0, %1;" : "=f"(y) : "f"(x)); \
+    return y;                                       \
+  }
+FLEXC_APPROX(flexc_fast_exp2, "ex2.approx.ftz.f32")
+FLEXC_APPROX(flexc_fast_log2, "lg2.approx.ftz.f32")
+FLEXC_APPROX(flexc_fast_sqrt, "sqrt.approx.ftz.f32")
+FLEXC_APPROX(flexc_fast_rsqrt, "rsqrt.approx.ftz.f32")
+FLEXC_APPROX(flexc_fast_rcp, "rcp.approx.ftz.f32")
+#undef FLEXC_APPROX
+// sin.approx / cos.approx are accurate on [-pi, pi] only: reduce by 2 pi (in two parts, so the
+// reduction adds no error for |x| < 2^17 or so) first.
+__device__ __forceinline__ float flexc_reduce_2pi(float x) {
+  const float k = rintf(x * 0.159154943091895336f);
+  return fmaf(-k, -1.74845553e-07f, fmaf(-k, 6.28318548f, x));
+}
+__device__ __forceinline__ float flexc_fast_sin(float x) { return __sinf(flexc_reduce_2pi(x)); }
+__device__ __forceinline__ float flexc_fast_cos(float x) { return __cosf(flexc_reduce_2pi(x)); }
+__device__ __forceinline__ float flexc_fast_div(float a, float b) { return __fdividef(a, b); }
+#else
+__device__ __forceinline__ float flexc_fast_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ float flexc_fast_log2(float x) { return log2f(x); }
+__device__ __forceinline__ float flexc_fast_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ float flexc_fast_rsqrt(float x) { return 1.0f / sqrtf(x); }
+__device__ __forceinline__ float flexc_fast_rcp(float x) { return 1.0f / x; }
+__device__ __forceinline__ float flexc_fast_sin(float x) { return sinf(x); }
+__device__ __forceinline__ float flexc_fast_cos(float x) { return cosf(x); }
+__device__ __forceinline__ float flexc_fast_div(float a, float b) { return a / b; }
+#endif
+__device__ __forceinline__ float flexc_fast_exp(float x) {
+  return flexc_fast_exp2(x * 1.44269504088896341f);
+}
+__device__ __forceinline__ float flexc_fast_log(float x) {
+  return flexc_fast_log2(x) * 0.693147180559945309f;
+}
+// 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (x < -87.3; the reciprocal flushes to zero), 1
+// for large x; never NaN.
+__device__ __forceinline__ float flexc_fast_sigmoid(float x) {
+  return flexc_fast_rcp(1.0f + flexc_fast_exp(-x));
+}
+
 // A captured tensor's index wraps: floored modulo the dimension, n >= 1 (fixed extents are
 // validated; a symbolic dim is a length, and hooks are called only when it is >= 1, see above).
 // Branch-free, so that a load whose index is the same for a whole tile is computed once.
@@ -196,7 +249,23 @@ __device__ __forceinline__ bool flexc_load_bool(const FlexcCapture& c, long long
 // k of N (the variant's kCaptureGradLoads). Consecutive contributions to one element add up in a
 // register, so a gradient that many elements share (slope[h]: one element per head) costs an
 // atomic only when the element changes instead of one per score, and flush_warp adds a warp's
-// equal elements together first. Contributions to a capture without a gradient buffer are dropped.
+// equal elements together first. A contribution grad_score * d with grad_score 0 adds nothing,
+// whatever d is (a derivative may be inf or NaN where P is 0). Contributions to a capture without
+// a gradient buffer are dropped.
+//
+// The score's path is one compare, a predicated FMA and a rarely taken branch: the element's
+// address is computed without a branch (a capture without a buffer gives null, added nowhere), so
+// for an element that depends on (b, h) only it is computed once for all scores, and the add to
+// memory is a global reduction (an atomicAdd on a generic address compiles to a shared-or-global
+// test with a CAS loop, inlined at every score).
+__device__ __forceinline__ void flexc_red_add(float* p, float v) {
+#ifdef __CUDA_ARCH__
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(__cvta_generic_to_global(p)), "f"(v)
+               : "memory");
+#else
+  atomicAdd(p, v);
+#endif
+}
 template <int N>
 struct FlexcGradSink {
   float* at[N];
@@ -205,19 +274,19 @@ struct FlexcGradSink {
   __device__ __forceinline__ FlexcGradSink() {
     for (int k = 0; k < N; ++k) at[k] = nullptr, sum[k] = 0.f;
   }
-  __device__ __forceinline__ void add(int k, const FlexcCapture& c, long long o, float v) {
-    if (!c.grad) return;
-    float* p = c.grad + o;
+  __device__ __forceinline__ void add(int k, const FlexcCapture& c, long long o, float grad_score,
+                                      float d) {
+    float* p = c.grad ? c.grad + o : nullptr;
     if (p != at[k]) {
-      if (at[k]) atomicAdd(at[k], sum[k]);
+      if (at[k]) flexc_red_add(at[k], sum[k]);
       at[k] = p, sum[k] = 0.f;
     }
-    sum[k] += v;
+    sum[k] = grad_score != 0.f ? fmaf(grad_score, d, sum[k]) : sum[k];
   }
   // Each thread by itself (any control flow).
   __device__ __forceinline__ void flush_thread() {
     for (int k = 0; k < N; ++k) {
-      if (at[k]) atomicAdd(at[k], sum[k]);
+      if (at[k]) flexc_red_add(at[k], sum[k]);
       at[k] = nullptr, sum[k] = 0.f;
     }
   }
@@ -231,7 +300,7 @@ struct FlexcGradSink {
         const bool mine = (unsigned long long)at[k] == key;
         float v = mine ? sum[k] : 0.f;
         for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(0xffffffffu, v, d);
-        if (lane == (unsigned)leader) atomicAdd(at[k], v);
+        if (lane == (unsigned)leader) flexc_red_add(at[k], v);
         left &= ~__ballot_sync(0xffffffffu, mine);
       }
       at[k] = nullptr, sum[k] = 0.f;
@@ -240,7 +309,7 @@ struct FlexcGradSink {
 };
 template <>
 struct FlexcGradSink<0> {
-  __device__ __forceinline__ void add(int, const FlexcCapture&, long long, float) {}
+  __device__ __forceinline__ void add(int, const FlexcCapture&, long long, float, float) {}
   __device__ __forceinline__ void flush_thread() {}
   __device__ __forceinline__ void flush_warp() {}
 };

@@ -125,3 +125,24 @@ TEST_CASE("backward options of flexc run are checked before the GPU is needed", 
           "--capture-grad slope=/tmp/b.npy",
           "--capture-grad slope given twice");
 }
+
+TEST_CASE("precision on the command line overrides a config's, and is fast or exact", "[cli]") {
+  const Result fast = flexc("check @softcap");
+  CHECK(fast.status == 0);
+  CHECK(fast.output.find("    math      fast\n") != std::string::npos);
+  const Result exact = flexc("check @softcap --precision exact");
+  CHECK(exact.status == 0);
+  CHECK(exact.output.find("    math      exact\n") != std::string::npos);
+  // The generated hooks say which.
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / fmt::format("flexc_cli_{}", getpid());
+  const Result cu = flexc("compile @softcap --precision exact --arch sm_80 --kernel mods_eval "
+                          "--emit cu -o " + dir.string());
+  CHECK(cu.status == 0);
+  std::ifstream in(dir / "softcap.mods_eval.sm_80.cu");
+  const std::string text{std::istreambuf_iterator<char>(in), {}};
+  CHECK(text.find("(exact float math in score_mod)") != std::string::npos);
+  std::filesystem::remove_all(dir);
+  refused("check @softcap --precision fastest", "--precision");
+  refused("run @softcap --random 1,1,1,8,8,64 --precision approximate", "--precision");
+}

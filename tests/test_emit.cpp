@@ -75,6 +75,12 @@ TEST_CASE("emitted facts follow the mods", "[emit]") {
   CHECK(has(rich, "kHasCaptureGrads = true;"));
   CHECK(has(rich, "grads.add(0, a.captures[0], "));
   CHECK(has(rich, "kCaptureGradLoads = 1;"));
+  CHECK(has(rich, "kCaptureGradsReadScore = false;"));
+  // A gradient that reads the score makes the kernels keep the pre-mod scores.
+  const std::string gain = emit(parse("score * bias[h, 3] + bias[h, q_idx % 64]", "true", d));
+  CHECK(has(gain, "grads.add(0, a.captures[0], o"));
+  CHECK(has(gain, ", grad_score, score);"));
+  CHECK(has(gain, "kCaptureGradsReadScore = true;"));
 
   // Reading a capture only through a comparison gives it no gradient.
   const std::string cmp = emit(parse("score + (bias[h, 0] > 0.0 ? 1.0 : 0.0)", "b == 0", d));
@@ -170,6 +176,83 @@ TEST_CASE("a capture index is wrapped unless it is the input its dim measures", 
                    "flexc_wrap(b, a.captures[3].shape[1]))"));
   CHECK(has(other, "flexc_at(a.captures[3], b, flexc_wrap(q_len, a.captures[3].shape[1]))"));
   CHECK(has(other, "flexc_at(a.captures[3], b, q_idx)"));
+}
+
+namespace {
+
+// The body of hook `name` ("score_mod", "mask_mod", ...) in emitted text.
+std::string hook_body(const std::string& text, const std::string& name) {
+  const size_t at = text.find(" " + name + "(");
+  REQUIRE(at != std::string::npos);
+  return text.substr(at, text.find("\n  }\n", at) - at);
+}
+
+std::string emit_fast(const Parsed& p) {
+  return emit_cuda_variant(
+      {&p.score.graph, &p.mask.graph, &p.decls, "t", FloatMath::Fast});
+}
+
+}  // namespace
+
+TEST_CASE("fast float math: approximate instructions, exact where a value decides", "[emit]") {
+  Decls d;
+  d.params.push_back({"cap", Type::Float, 0, false});
+  const Parsed softcap = parse("cap * tanh(score / cap)", "true", d);
+  const std::string exact = emit(softcap), fast = emit_fast(softcap);
+  CHECK(has(exact, "(exact float math in score_mod)"));
+  CHECK(has(fast, "(fast float math in score_mod)"));
+  // Exact: IEEE-rounded intrinsics; fast: contractible operators and the fast division, in the
+  // score_mod and in its derivative.
+  for (const char* hook : {"score_mod", "score_mod_grad"}) {
+    INFO(hook);
+    CHECK(has(hook_body(exact, hook), "__fdiv_rn("));
+    CHECK_FALSE(has(hook_body(exact, hook), "flexc_fast_"));
+    CHECK(has(hook_body(fast, hook), "= flexc_fast_div(score, t0);"));
+    CHECK(has(hook_body(fast, hook), "tanhf("));  // tanhf is fast already (flexc_hooks.cuh)
+    CHECK_FALSE(has(hook_body(fast, hook), "__fdiv_rn"));
+    CHECK_FALSE(has(hook_body(fast, hook), "__fmul_rn"));
+  }
+  CHECK(has(hook_body(fast, "score_mod"), "= t0 * t"));
+
+  const Parsed each = parse(
+      "exp(score) + exp2(score) + log(score) + log2(score) + sqrt(score) + rsqrt(score) + "
+      "sigmoid(score) + sin(score) + cos(score) + pow(score, 2.5)",
+      "true");
+  const std::string f = hook_body(emit_fast(each), "score_mod");
+  for (const char* fn : {"flexc_fast_exp(", "flexc_fast_exp2(", "flexc_fast_log(",
+                         "flexc_fast_log2(", "flexc_fast_sqrt(", "flexc_fast_rsqrt(",
+                         "flexc_fast_sigmoid(", "flexc_fast_sin(", "flexc_fast_cos(", "powf("})
+    CHECK(has(f, fn));
+
+  // A float that decides something discrete is exact, with all it is computed from: t5_bias's
+  // bucket, a comparison, floor; the continuous rest of the same score_mod is fast.
+  Decls t5;
+  t5.captures.push_back({"bias", DType::F32, {{Dim::H}, {Dim::Fixed, 32}}});
+  const std::string bucket = hook_body(
+      emit_fast(parse("score * 0.5 + bias[h, min(8 + int(2.0 * log2(abs(q_idx - kv_idx) / 8.0)), "
+                      "15)] + log(1.0 + score * score)",
+                      "true", t5)),
+      "score_mod");
+  CHECK(has(bucket, "log2f("));
+  CHECK(has(bucket, "__fdiv_rn("));
+  CHECK(has(bucket, "__fmul_rn(2.0f, "));
+  CHECK_FALSE(has(bucket, "flexc_fast_log2"));
+  CHECK(has(bucket, "flexc_fast_log("));
+  CHECK(has(bucket, "score * 0.5f"));
+  const std::string branch =
+      hook_body(emit_fast(parse("exp(score) > 2.0 ? exp(score) : floor(score / 3.0) + sqrt(score)",
+                                "true")),
+                "score_mod");
+  CHECK(has(branch, "expf("));
+  CHECK(has(branch, "__fdiv_rn(score, 3.0f)"));
+  CHECK_FALSE(has(branch, "flexc_fast_exp("));
+  CHECK(has(branch, "flexc_fast_sqrt("));
+  // The mask is always exact.
+  const std::string mask = hook_body(
+      emit_fast(parse("score", "float(q_idx) * 0.5 < sqrt(float(kv_idx)) + 1.0")), "mask_mod");
+  CHECK(has(mask, "__fmul_rn("));
+  CHECK(has(mask, "sqrtf("));
+  CHECK_FALSE(has(mask, "flexc_fast"));
 }
 
 // ---- generated code vs the interpreter, on the host

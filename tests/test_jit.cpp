@@ -684,7 +684,7 @@ TEST_CASE("a real NVRTC error on a generated line points at the user's text", "[
   const Variant v = Variant::from_strings("score + float((q_idx - kv_idx) // 7)", "true");
   const detail::VariantImpl& impl = flexc::detail::impl_of(v);
   std::string header =
-      dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name});
+      dsl::emit_cuda_variant(detail::emit_input(impl));
   // Break the statement the user's `//` became, as a miscompiled emitter would.
   const size_t at = header.find("flexc_floordiv(");
   REQUIRE(at != std::string::npos);
@@ -796,7 +796,9 @@ TEST_CASE("generated code for random mods compiles with NVRTC", "[jit]") {
     dsl::Graph s, m;
     s.root = dsl::testing::RandomExpr(seed + 2 * i, sopt).float_expr(s);
     m.root = dsl::testing::RandomExpr(seed + 2 * i + 1, mopt).bool_expr(m);
-    const std::string header = dsl::emit_cuda_variant({&s, &m, &decls, "random"});
+    // Both float-math modes, alternately.
+    const dsl::FloatMath math = i % 2 ? dsl::FloatMath::Fast : dsl::FloatMath::Exact;
+    const std::string header = dsl::emit_cuda_variant({&s, &m, &decls, "random", math});
     INFO(header);
     const NvrtcOutput out = nvrtc_compile(splice("mods_eval.cuh", header),
                                           nvrtc_options("sm_90", {}), {"compiling", header});
@@ -1035,7 +1037,9 @@ TEST_CASE("mods_eval on the GPU matches the interpreter for the whole catalogue"
   }
   for (const std::string& name : Variant::catalogue_names()) {
     INFO(name);
-    // Transcendental functions differ from the host's by a few ulp (docs/jit.md).
+    // Transcendental functions differ from the host's by a few ulp (docs/jit.md), and fast math
+    // (the default) adds a few more.
+    check_on_gpu(Variant::from_catalogue(name).with_precision(Precision::Exact), 1e-5);
     check_on_gpu(Variant::from_catalogue(name), 1e-5);
   }
 }
@@ -1046,6 +1050,7 @@ TEST_CASE("mods_eval on the GPU matches the interpreter bit for bit on random mo
     return;
   }
   detail::VariantImpl base;
+  base.precision = Precision::Exact;  // bit for bit is the exact mode's promise
   base.decls = random_mod_decls();
   const dsl::Decls& decls = base.decls;
   // Every operation whose float32 result is exactly defined (CUDA's transcendental functions
@@ -1080,6 +1085,85 @@ TEST_CASE("mods_eval on the GPU matches the interpreter bit for bit on random mo
     INFO("score_mod " << dsl::to_text(vi->score.graph, vi->score.graph.root, decls) << "; mask_mod "
                       << dsl::to_text(vi->mask.graph, vi->mask.graph.root, decls));
     check_on_gpu(flexc::detail::VariantAccess::make(vi), 0);
+  }
+}
+
+namespace {
+
+// score_mod(score) of a variant reading only the score, evaluated on the GPU at each of `scores`.
+std::vector<float> score_mod_on_gpu(const Variant& v, const std::vector<float>& scores) {
+  const Kernel& k = get_kernel(v, mods_eval_spec({}));
+  const int n = static_cast<int>(scores.size());
+  DeviceBuffer s_in = DeviceBuffer::from(std::span<const float>(scores));
+  DeviceBuffer s_out(scores.size() * 4), g_out(scores.size() * 4), m_out(scores.size());
+  s_out.fill(0xff);
+  FlexcArgs args{};
+  int one = 1, zero = 0, len = n;
+  void* sp = s_in.get();
+  void *so = s_out.get(), *go = g_out.get(), *mo = m_out.get();
+  float grad_score = 0.f;
+  void* launch_args[] = {&args, &one, &one, &zero, &one, &zero, &len,
+                         &one,  &len, &sp,  &so,   &go,  &mo,  &grad_score};
+  k.launch(static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 0, nullptr, launch_args);
+  synchronize_device();
+  return s_out.to_vector<float>(scores.size());
+}
+
+}  // namespace
+
+TEST_CASE("fast float math stays within the error docs/dsl.md states for each function", "[gpu]") {
+  if (!gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  // error = |got - want| / max(|want|, floor): relative, or absolute where |want| < floor.
+  struct Fn {
+    const char* mod;
+    double (*want)(double);
+    double lo, hi, floor, bound;
+  };
+  const Fn fns[] = {
+      {"exp(score)", [](double x) { return std::exp(x); }, -80, 80, 0, 0x1p-21 + 80 * 0x1p-23},
+      {"exp(score)", [](double x) { return std::exp(x); }, -10, 10, 0, 0x1p-21 + 10 * 0x1p-23},
+      {"exp2(score)", [](double x) { return std::exp2(x); }, -120, 120, 0, 0x1p-21},
+      {"log(score)", [](double x) { return std::log(x); }, 1e-30, 1e30, 1, 0x1p-21},
+      {"log2(score)", [](double x) { return std::log2(x); }, 1e-30, 1e30, 1, 0x1p-21},
+      {"sqrt(score)", [](double x) { return std::sqrt(x); }, 1e-30, 1e30, 0, 0x1p-21},
+      {"rsqrt(score)", [](double x) { return 1 / std::sqrt(x); }, 1e-30, 1e30, 0, 0x1p-21},
+      {"tanh(score)", [](double x) { return std::tanh(x); }, -20, 20, 0, 0x1p-21},
+      {"sigmoid(score)", [](double x) { return 1 / (1 + std::exp(-x)); }, -80, 80, 0,
+       0x1p-20 + 80 * 0x1p-23},
+      {"sin(score)", [](double x) { return std::sin(x); }, -3.14159, 3.14159, 1, 0x1p-20},
+      {"cos(score)", [](double x) { return std::cos(x); }, -3.14159, 3.14159, 1, 0x1p-20},
+      {"sin(score)", [](double x) { return std::sin(x); }, -1e4, 1e4, 1, 0x1p-19},
+      {"cos(score)", [](double x) { return std::cos(x); }, -1e4, 1e4, 1, 0x1p-19},
+      {"1.0 / score", [](double x) { return 1 / x; }, 1e-30, 1e30, 0, 0x1p-21},
+      {"score / 7.0", [](double x) { return x / 7.0f; }, -1e30, 1e30, 1e-30, 0x1p-21},
+  };
+  for (const Fn& f : fns) {
+    const Variant v = Variant::from_strings(f.mod, "true", {}, {}, "fast_fn");
+    REQUIRE(v.precision() == Precision::Fast);
+    // Log-spaced over a positive range, uniform over one that holds 0; plus random points.
+    std::vector<float> x;
+    for (int i = 0; i < 1 << 16; ++i) {
+      const double t = (i + 0.5) / (1 << 16);
+      x.push_back(static_cast<float>(f.lo > 0 ? f.lo * std::pow(f.hi / f.lo, t)
+                                              : f.lo + (f.hi - f.lo) * t));
+    }
+    for (int i = 0; i < 1 << 14; ++i)
+      x.push_back(std::uniform_real_distribution<float>(float(f.lo), float(f.hi))(rng()));
+    const std::vector<float> got = score_mod_on_gpu(v, x);
+    double worst = 0, at = 0;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double want = f.want(x[i]);
+      if (!std::isfinite(want) || std::abs(want) < 0x1p-126 || std::abs(want) > 0x1p127) continue;
+      const double e = std::abs(got[i] - want) / std::max(std::abs(want), f.floor);
+      if (!(e <= worst)) worst = e, at = x[i];
+    }
+    // Printed for docs/dsl.md's table.
+    WARN(fmt::format("{} on [{:g}, {:g}]: max error {:.3g} = 2^{:.1f} at {:g} (bound 2^{:.1f})",
+                     f.mod, f.lo, f.hi, worst, std::log2(worst), at, std::log2(f.bound)));
+    CHECK(worst <= f.bound);
   }
 }
 

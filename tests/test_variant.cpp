@@ -104,7 +104,10 @@ TEST_CASE("JSON errors name the file, the path and what is wrong", "[variant]") 
   const std::vector<std::pair<std::string, std::string>> cases = {
       {config(R"("mask_mdo": "true")"),
        "t.json: mask_mdo: unknown key (did you mean \"mask_mod\"?); expected one of name, "
-       "description, score_mod, mask_mod, captures, params"},
+       "description, score_mod, mask_mod, captures, params, precision"},
+      {config(R"("precision": "fats")"),
+       "t.json: precision: expected one of fast, exact, got \"fats\" (did you mean \"fast\"?)"},
+      {config(R"("precision": true)"), "t.json: precision: expected a string, got true"},
       {config(R"("captures": [)" + cap + R"(, {"name": "y", "dtype": "flaot32", "shape": [4]}])"),
        "t.json: captures[1].dtype: expected one of int32, float32, bf16, fp16, bool, got "
        "\"flaot32\" (did you mean \"float32\"?)"},
@@ -159,6 +162,34 @@ TEST_CASE("JSON errors name the file, the path and what is wrong", "[variant]") 
     INFO(json);
     CHECK(json_error(json) == message);
   }
+}
+
+TEST_CASE("precision: fast by default, exact on request, kept by composition", "[variant]") {
+  const Variant fast = Variant::from_json(config(R"x("score_mod": "30.0 * tanh(score / 30.0)")x"));
+  CHECK(fast.precision() == flexc::Precision::Fast);
+  const Variant exact =
+      Variant::from_json(config(R"("score_mod": "score * 2.0", "precision": "exact")"));
+  CHECK(exact.precision() == flexc::Precision::Exact);
+  CHECK(Variant::from_json(config(R"("precision": "fast")")).precision() == flexc::Precision::Fast);
+  // with_precision copies; the original is unchanged.
+  const Variant e = fast.with_precision(flexc::Precision::Exact);
+  CHECK(e.precision() == flexc::Precision::Exact);
+  CHECK(fast.precision() == flexc::Precision::Fast);
+  CHECK(e.score_mod_text() == fast.score_mod_text());
+  CHECK(e.renamed("x").precision() == flexc::Precision::Exact);
+  // Combined variants are exact if either side is.
+  const Variant causal = Variant::from_catalogue("causal");
+  CHECK(and_masks(causal, exact).precision() == flexc::Precision::Exact);
+  CHECK(or_masks(fast, causal).precision() == flexc::Precision::Fast);
+  CHECK(compose(fast, exact).precision() == flexc::Precision::Exact);
+  CHECK(compose(fast, causal).precision() == flexc::Precision::Fast);
+  CHECK(not_mask(exact).precision() == flexc::Precision::Exact);
+  // Names and parsing.
+  CHECK(to_string(flexc::Precision::Fast) == "fast");
+  CHECK(to_string(flexc::Precision::Exact) == "exact");
+  CHECK(flexc::parse_precision("exact") == flexc::Precision::Exact);
+  CHECK_THROWS_WITH(flexc::parse_precision("fastest", "--precision"),
+                    "--precision: \"fastest\" is not a precision; use \"fast\" or \"exact\"");
 }
 
 TEST_CASE("at most FLEXC_MAX_CAPTURES captures and FLEXC_MAX_PARAMS runtime params", "[variant]") {

@@ -1,22 +1,23 @@
-// bench_attention: forward (or, with --backward, backward) attention TFLOP/s on the anchors' shapes (../shared/anchors.md):
-// 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for noop and causal; the
-// catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and document (six equal
-// documents) at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable biases, each with and
-// without its gradient: alibi / alibi_dslope, rel_bias / rel_bias_dbias (a [H, 256] table indexed
-// by the clamped relative position).
+// bench_attention: forward (or, with --backward, backward) attention TFLOP/s on the anchors' shapes
+// (../shared/anchors.md): 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for
+// noop and causal; the catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and
+// document (six equal documents) at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable
+// biases, each with and without its gradient: alibi / alibi_dslope, rel_bias / rel_bias_dbias (a
+// [H, 256] table indexed by the clamped relative position).
 //
 //   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward
-//                   [--atomic-dq | --deterministic]] [--json]
+//                   [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
 //
-// FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention), density = the exact fraction of (q, kv) pairs the mask
-// keeps (tools/bench_peers.py uses the same, so the peers' TFLOP/s compare directly). Time: CUDA
-// events around one call (BlockMask built beforehand, kernel compiled by the warm-ups), median of
-// --reps after 3 warm-ups.
+// FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention),
+// density = the exact fraction of (q, kv) pairs the mask keeps (tools/bench_peers.py uses the same,
+// so the peers' TFLOP/s compare directly). Time: CUDA events around one call (BlockMask built
+// beforehand, kernel compiled by the warm-ups), median of --reps after 3 warm-ups.
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fmt/format.h>
 #include <map>
 #include <optional>
 #include <random>
@@ -86,12 +87,17 @@ int main(int argc, char** argv) {
   int reps = 20;
   std::string dtype_name_arg = "bf16";
   bool json = false, backward = false, atomic_dq = false, deterministic = false;
-  std::vector<std::string> kernel_names{"auto"};
+  std::vector<std::string> kernel_names{"auto"}, precision_names{"fast"};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--kernel", kernel_names,
                  "kernels to time (forward, or backward with --backward), comma-separated: auto, "
                  "portable, hopper")
       ->delimiter(',');
+  app.add_option("--precision", precision_names,
+                 "score_mod float math to time, comma-separated: fast, exact (rows of exact are "
+                 "named KERNEL_exact)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"fast", "exact"}));
   app.add_option("--reps", reps, "timed repetitions (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype_name_arg, "bf16 or fp16")->check(CLI::IsMember({"bf16", "fp16"}));
   app.add_flag("--backward", backward,
@@ -116,14 +122,16 @@ int main(int argc, char** argv) {
     std::vector<FwdKernel> kernels;
     for (const std::string& name : kernel_names) kernels.push_back(parse_fwd_kernel(name));
     flexc::Stream stream;
-    fmt::print("| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
-               "|---|---|---|---|---|---|---|---|---|\n");
+    fmt::print(
+        "| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
+        "|---|---|---|---|---|---|---|---|---|\n");
     for (const Case& c : all_cases(backward)) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       const int64_t B = kTokens / c.s, H = kHidden / c.d, n = B * H * c.s * c.d;
       const bool rel_bias = c.name.starts_with("rel_bias");
-      const Variant v = rel_bias ? Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias")
-                                 : Variant::from_catalogue(c.name == "alibi_dslope" ? "alibi" : c.name);
+      const Variant base =
+          rel_bias ? Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias")
+                   : Variant::from_catalogue(c.name == "alibi_dslope" ? "alibi" : c.name);
       const bool learn = c.name.ends_with("_dslope") || c.name.ends_with("_dbias");
       // q, k, v, and dout for the backward; then out, dq, dk, dv.
       std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());
@@ -146,7 +154,8 @@ int main(int argc, char** argv) {
       std::vector<int32_t> doc;
       std::optional<flexc::DeviceBuffer> cap;
       if (c.name.starts_with("alibi")) {
-        for (int64_t h = 0; h < H; ++h) slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
+        for (int64_t h = 0; h < H; ++h)
+          slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
         cap.emplace(slope.size() * 4);
         cap->upload(slope.data(), slope.size() * 4);
         opts.captures["slope"] = TensorView{cap->get(), DType::F32, {H}, {}};
@@ -170,7 +179,8 @@ int main(int argc, char** argv) {
         std::vector<int64_t> starts;
         for (int i = 1; i < 6; ++i) starts.push_back(std::llround(double(i) * double(c.s) / 6));
         for (int64_t i = 0; i < c.s; ++i)
-          doc.push_back(int32_t(std::upper_bound(starts.begin(), starts.end(), i) - starts.begin()));
+          doc.push_back(
+              int32_t(std::upper_bound(starts.begin(), starts.end(), i) - starts.begin()));
         cap.emplace(doc.size() * 4);
         cap->upload(doc.data(), doc.size() * 4);
         opts.captures["doc"] = TensorView{cap->get(), DType::I32, {c.s}, {}};
@@ -178,49 +188,60 @@ int main(int argc, char** argv) {
       }
       std::optional<BlockMask> bm;
       double dens = 1;
-      if (!v.mask_always_true()) {
-        bm = create_block_mask(v, B, H, c.s, c.s, bmo, stream.get());
+      if (!base.mask_always_true()) {
+        bm = create_block_mask(base, B, H, c.s, c.s, bmo, stream.get());
         opts.block_mask = &*bm;
-        dens = mask_density(v, *bm, B, H, bmo);
+        dens = mask_density(base, *bm, B, H, bmo);
       }
-      BackwardOptions bopts;
-      if (backward) {
-        opts.lse = lse_view;
-        attention(at(0), at(1), at(2), out_view, v, opts);
-        bopts.block_mask = opts.block_mask;
-        bopts.captures = opts.captures;
-        bopts.stream = stream.get();
-        if (atomic_dq || deterministic) bopts.deterministic = deterministic;
-      }
-      for (FwdKernel kernel : kernels) {  // the same inputs and BlockMask for each kernel
-        opts.kernel = kernel;
-        bopts.kernel = kernel;  // (the backward's forward ran once above, with the default)
-        std::vector<double> ms;
-        for (int r = 0; r < reps + 3; ++r) {
-          flexc::EventTimer t;
-          t.start(stream.get());
-          if (backward)
-            attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),
-                               {grad(0), grad(1), grad(2), cap_grads}, v, bopts);
-          else
-            attention(at(0), at(1), at(2), out_view, v, opts);
-          t.stop(stream.get());
-          if (r >= 3) ms.push_back(t.elapsed_ms());
+      // The same inputs and BlockMask for each precision and kernel.
+      for (const std::string& precision : precision_names) {
+        const Variant v = base.with_precision(parse_precision(precision, "--precision"));
+        BackwardOptions bopts;
+        if (backward) {
+          opts.kernel = FwdKernel::Auto;
+          opts.lse = lse_view;
+          attention(at(0), at(1), at(2), out_view, v, opts);
+          bopts.block_mask = opts.block_mask;
+          bopts.captures = opts.captures;
+          bopts.stream = stream.get();
+          if (atomic_dq || deterministic) bopts.deterministic = deterministic;
         }
-        const double t = median(ms);
-        const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
-                              double(c.s) * double(c.d) * dens / t * 1e-9;
-        const std::string kname =
-            backward ? fmt::format("bwd{}{}", atomic_dq ? "_atomic" : deterministic ? "_det" : "",
-                                   kernel == FwdKernel::Auto ? "" : "_" + std::string(to_string(kernel)))
-                     : std::string(to_string(kernel));
-        fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
-                   c.s, c.d, B, H, dens, t, tflops);
-        if (json)
-          fmt::print("{{\"case\": \"{}\", \"kernel\": \"{}\", \"s\": {}, \"d\": {}, \"density\": "
-                     "{:.6f}, \"ms\": {:.6f}, \"tflops\": {:.2f}}}\n",
-                     c.name, kname, c.s, c.d, dens, t, tflops);
-        std::fflush(stdout);
+        for (FwdKernel kernel : kernels) {
+          opts.kernel = kernel;
+          bopts.kernel = kernel;  // (the backward's forward ran once above, with the default)
+          std::vector<double> ms;
+          for (int r = 0; r < reps + 3; ++r) {
+            flexc::EventTimer t;
+            t.start(stream.get());
+            if (backward)
+              attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),
+                                 {grad(0), grad(1), grad(2), cap_grads}, v, bopts);
+            else
+              attention(at(0), at(1), at(2), out_view, v, opts);
+            t.stop(stream.get());
+            if (r >= 3) ms.push_back(t.elapsed_ms());
+          }
+          const double t = median(ms);
+          const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
+                                double(c.s) * double(c.d) * dens / t * 1e-9;
+          const std::string kname =
+              (backward ? fmt::format(
+                              "bwd{}{}",
+                              atomic_dq       ? "_atomic"
+                              : deterministic ? "_det"
+                                              : "",
+                              kernel == FwdKernel::Auto ? "" : "_" + std::string(to_string(kernel)))
+                        : std::string(to_string(kernel))) +
+              (precision == "exact" ? "_exact" : "");
+          fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
+                     c.s, c.d, B, H, dens, t, tflops);
+          if (json)
+            fmt::print(
+                "{{\"case\": \"{}\", \"kernel\": \"{}\", \"s\": {}, \"d\": {}, \"density\": "
+                "{:.6f}, \"ms\": {:.6f}, \"tflops\": {:.2f}}}\n",
+                c.name, kname, c.s, c.d, dens, t, tflops);
+          std::fflush(stdout);
+        }
       }
     }
   } catch (const Error& e) {

@@ -15,7 +15,7 @@ namespace flexc {
 namespace detail {
 struct VariantImpl;    // defined in src/; holds the checked IR
 struct VariantAccess;  // flexc's own code reaches the IR through it (src/variant_impl.h)
-}
+}  // namespace detail
 
 // A captured tensor the mods index, e.g. `bias[h, q_idx - kv_idx + 4095]`.
 struct CaptureSpec {
@@ -33,6 +33,15 @@ struct ParamSpec {
   double default_value = 0;
   bool is_const = false;
 };
+
+// How score_mod's float math is compiled (docs/dsl.md, "Precision"). Fast (the default): the
+// GPU's approximate instructions for exp, log, tanh, sigmoid, sin, cos, sqrt, rsqrt and division,
+// and multiply-adds fused, each function's error documented; Exact: every operation rounded as
+// IEEE float32, as the CPU interpreter's float32 mode does, bit for bit. mask_mod is always exact.
+enum class Precision { Fast, Exact };
+std::string_view to_string(Precision p);  // "fast", "exact"
+// "fast" or "exact"; throws flexc::Error naming `what` (e.g. "--precision") otherwise.
+Precision parse_precision(std::string_view text, std::string_view what = "precision");
 
 // What a mod reads.
 struct ModDeps {
@@ -72,12 +81,14 @@ class Variant {
   ModDeps mask_deps() const;
   bool identity_score() const;    // score_mod is `score`
   bool mask_always_true() const;  // mask_mod is `true`
+  // Float math of the kernels' score_mod ("precision" in JSON; default Fast).
+  Precision precision() const;
 
   // Composition on checked trees. Declarations merge by name (the same name must declare the
   // same thing). and/or/not combine masks; the score_mods must not conflict (at most one side
   // may have a non-identity score_mod, unless both are the same). compose(outer, inner):
   // score = outer(inner(score)), mask = outer.mask && inner.mask. Results are named
-  // "a_and_b", "a_or_b", "not_a", "outer_of_inner".
+  // "a_and_b", "a_or_b", "not_a", "outer_of_inner", and are Exact if either side is.
   friend Variant and_masks(const Variant& a, const Variant& b);
   friend Variant or_masks(const Variant& a, const Variant& b);
   friend Variant not_mask(const Variant& a);
@@ -85,6 +96,8 @@ class Variant {
 
   // Returns a copy with a new name.
   Variant renamed(std::string name) const;
+  // Returns a copy whose kernels compile score_mod with `p` (a different kernel, cached apart).
+  Variant with_precision(Precision p) const;
 
  private:
   friend struct detail::VariantAccess;

@@ -118,8 +118,7 @@ class Jit {
     std::string stem = spec.template_name.substr(0, spec.template_name.rfind(".cuh"));
     p->what = fmt::format("flexc {} kernel for variant '{}' ({})", stem, impl.name, p->spec.arch);
     try {
-      p->header =
-          dsl::emit_cuda_variant({&impl.score.graph, &impl.mask.graph, &impl.decls, impl.name});
+      p->header = dsl::emit_cuda_variant(detail::emit_input(impl));
     } catch (const std::invalid_argument& e) {
       throw Error(fmt::format("generating the {}: {}", p->what, e.what()));
     }

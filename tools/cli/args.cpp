@@ -34,6 +34,18 @@ std::string int_problem(std::string_view text, int64_t lo, int64_t hi, int64_t& 
 
 }  // namespace
 
+void add_precision_option(CLI::App* cmd, std::string& precision) {
+  cmd->add_option("--precision", precision,
+                  "score_mod float math: fast (approximate instructions, the default) or exact "
+                  "(IEEE float32); overrides the configs' \"precision\"")
+      ->check(CLI::IsMember({"fast", "exact"}));
+}
+
+Variant load_variant(std::string_view config, const std::string& precision) {
+  const Variant v = Variant::load(config);
+  return precision.empty() ? v : v.with_precision(parse_precision(precision, "--precision"));
+}
+
 std::string human_bytes(uint64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   double v = static_cast<double>(n);

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "flexc/variant.h"
+
 namespace flexc::cli {
 
 inline constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
@@ -26,6 +28,11 @@ double parse_number(std::string_view text, std::string_view what);
 // The same rules as CLI11 checks on an option's text.
 CLI::Validator int_range(int64_t lo, int64_t hi = kMaxInt32);
 CLI::Validator decimal_number();
+
+// `--precision fast|exact`: overrides the float math the variants' configs ask for (empty: keep
+// it). The commands that load variants take it; load_variant applies it.
+void add_precision_option(CLI::App* cmd, std::string& precision);
+Variant load_variant(std::string_view config, const std::string& precision);
 
 // "231.3 KiB", "4.0 GiB", "17 B".
 std::string human_bytes(uint64_t bytes);

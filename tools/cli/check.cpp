@@ -33,6 +33,7 @@ void print(const Variant& v) {
              v.identity_score() ? "  (identity)" : "");
   fmt::print("    reads     {}\n", reads(v.score_deps()));
   fmt::print("    d/dscore  {}\n", v.score_grad_text());
+  fmt::print("    math      {}\n", to_string(v.precision()));
   fmt::print("  mask_mod    {}{}\n", v.mask_mod_text(), v.mask_always_true() ? "  (no mask)" : "");
   fmt::print("    reads     {}\n", reads(v.mask_deps()));
   for (const CaptureSpec& c : v.captures())
@@ -45,6 +46,7 @@ void print(const Variant& v) {
 struct Options {
   std::vector<std::string> configs;
   bool catalogue = false;
+  std::string precision;
 };
 
 void run(const Options& o) {
@@ -56,7 +58,7 @@ void run(const Options& o) {
   for (size_t i = 0; i < todo.size(); ++i) {
     const std::string& arg = todo[i];
     try {
-      const Variant v = Variant::load(arg);
+      const Variant v = load_variant(arg, o.precision);
       if (i) fmt::print("\n");
       print(v);
     } catch (const Error& e) {
@@ -81,6 +83,7 @@ const Register reg("check", [](CLI::App& app) {
   cmd->add_option("configs", opts->configs,
                   "JSON variant configs, or @name for an entry of the built-in catalogue");
   cmd->add_flag("--catalogue", opts->catalogue, "check every entry of the built-in catalogue");
+  add_precision_option(cmd, opts->precision);
   cmd->callback([opts] { run(*opts); });
 });
 

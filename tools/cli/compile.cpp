@@ -26,7 +26,7 @@ namespace fs = std::filesystem;
 
 struct Options {
   std::vector<std::string> configs;
-  std::string arch, dtype = "bf16", kernels = "all", out_dir, emit;
+  std::string arch, dtype = "bf16", kernels = "all", out_dir, emit, precision;
   int head_dim = 128;
   bool timings = false;
 };
@@ -92,7 +92,7 @@ void run(const Options& o) {
   if (want_cu || want_ptx || want_cubin) fs::create_directories(dir);
 
   for (const std::string& config : o.configs) {
-    const Variant v = Variant::load(config);
+    const Variant v = load_variant(config, o.precision);
     const std::vector<CompiledKernel> out = compile_kernels(v, builds);
     for (size_t i = 0; i < out.size(); ++i) {
       const CompiledKernel& c = out[i];
@@ -149,6 +149,7 @@ const Register reg{
                     "what to write, comma-separated: cu, ptx, cubin (with -o "
                     "alone: cubin)");
       c->add_flag("--timings", o->timings, "print NVRTC and total times");
+      add_precision_option(c, o->precision);
       c->callback([o] { run(*o); });
     }};
 

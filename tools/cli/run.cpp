@@ -29,7 +29,7 @@ namespace flexc::cli {
 namespace {
 
 struct Options {
-  std::string config, q, k, v, out, lse, random, dtype = "bf16";
+  std::string config, q, k, v, out, lse, random, dtype = "bf16", precision;
   std::vector<std::string> captures, params;  // NAME=VALUE
   bool backward = false, atomic_dq = false, deterministic = false;
   std::string dout, dq, dk, dv;
@@ -116,7 +116,7 @@ flexc::DeviceBuffer upload(const void* data, size_t bytes) {
 void run(const Options& o) {
   // Every argument is checked before any slow work, and before looking for a GPU.
   const FwdKernel kernel = parse_fwd_kernel(o.kernel);
-  const Variant variant = Variant::load(o.config);
+  const Variant variant = load_variant(o.config, o.precision);
   const DType dtype = parse_dtype(o.dtype);
   const std::map<std::string, std::string> captures = assignments(o.captures, "--capture");
   const std::map<std::string, std::string> params = assignments(o.params, "--param");
@@ -370,6 +370,7 @@ const Register reg("run", [](CLI::App& app) {
                   "the forward's and the backward's kernel: auto (Hopper on sm_90 where it "
                   "applies), portable or hopper")
       ->capture_default_str();
+  add_precision_option(cmd, o->precision);
   cmd->add_flag("--backward", o->backward,
                 "run the backward pass too: gradients of sum(out * dout) (--check checks them)");
   cmd->add_option("--dout", o->dout, "with --backward: dL/dout, float32 .npy [B, HQ, Q_LEN, D] "
