@@ -3,10 +3,13 @@
 // noop and causal; the catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and
 // document (six equal documents) at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable
 // biases, each with and without its gradient: alibi / alibi_dslope, rel_bias / rel_bias_dbias (a
-// [H, 256] table indexed by the clamped relative position).
+// [H, 256] table indexed by the clamped relative position). With --gallery tools/gallery.json,
+// the gallery's variants instead (issue 11's broader sample: transcendental score_mods, learned
+// biases, integer-heavy mods, capture-based and 2-D masks, combinations), at S = 8k and 16k,
+// D = 64 and 128, with the same shape rule.
 //
-//   bench_attention [--cases noop,causal,...] [--reps 20] [--dtype bf16|fp16] [--backward
-//                   [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
+//   bench_attention [--cases noop,causal,...] [--gallery FILE] [--reps 20] [--dtype bf16|fp16]
+//                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
 //
 // FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention),
 // density = the exact fraction of (q, kv) pairs the mask keeps (tools/bench_peers.py uses the same,
@@ -18,7 +21,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <thread>
@@ -36,9 +42,14 @@ namespace {
 
 constexpr int64_t kTokens = 16384, kHidden = 2048;
 
+// A variant at one shape, with how its captures are filled (capture name -> fill, below) and
+// whether the backward computes the gradient of its float captures.
 struct Case {
   std::string name;
   int64_t s, d;
+  Variant variant;
+  std::map<std::string, std::string> fills;
+  bool learn = false;
 };
 
 // Backward only: a learnable bias with and without its gradient (the bias-gradient overhead).
@@ -47,15 +58,78 @@ const std::vector<CaptureSpec> kRelBiasCaptures{{"bias", "float32", {"H", "256"}
 
 std::vector<Case> all_cases(bool backward) {
   std::vector<Case> cases;
+  const auto cat = [](const char* n) { return Variant::from_catalogue(n); };
   for (int64_t d : {64, 128})
     for (int64_t s : {1024, 4096, 16384})
-      for (const char* name : {"noop", "causal"}) cases.push_back({name, s, d});
-  for (const char* name : {"alibi", "softcap", "sliding_window", "prefix_lm", "document"})
-    cases.push_back({name, 16384, 128});
-  if (backward)
-    for (const char* name : {"alibi_dslope", "rel_bias", "rel_bias_dbias"})
-      cases.push_back({name, 16384, 128});
+      for (const char* name : {"noop", "causal"}) cases.push_back({name, s, d, cat(name), {}});
+  cases.push_back({"alibi", 16384, 128, cat("alibi"), {{"slope", "slopes"}}});
+  for (const char* name : {"softcap", "sliding_window", "prefix_lm"})
+    cases.push_back({name, 16384, 128, cat(name), {}});
+  cases.push_back({"document", 16384, 128, cat("document"), {{"doc", "docs"}}});
+  if (backward) {
+    cases.push_back({"alibi_dslope", 16384, 128, cat("alibi"), {{"slope", "slopes"}}, true});
+    const Variant rel = Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias");
+    cases.push_back({"rel_bias", 16384, 128, rel, {{"bias", "ramp"}}});
+    cases.push_back({"rel_bias_dbias", 16384, 128, rel, {{"bias", "ramp"}}, true});
+  }
   return cases;
+}
+
+// The gallery (tools/gallery.json): each entry a variant config plus its fills and its torch
+// form (for tools/bench_peers.py), run at S = 8k and 16k, D = 64 and 128.
+std::vector<Case> gallery_cases(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("--gallery {}: cannot read it", path));
+  const nlohmann::json g = nlohmann::json::parse(in, nullptr, true, true);
+  std::vector<Case> cases;
+  for (const nlohmann::json& e : g.at("variants")) {
+    nlohmann::json config = e;
+    config.erase("torch");
+    config.erase("fills");
+    const Variant v = Variant::from_json(config.dump(), fmt::format("{}: {}", path, e.at("name")));
+    const auto fills = e.value("fills", std::map<std::string, std::string>{});
+    for (int64_t d : {64, 128})
+      for (int64_t s : {8192, 16384}) cases.push_back({v.name(), s, d, v, fills});
+  }
+  return cases;
+}
+
+// A capture's contents, deterministic so that tools/bench_peers.py builds the same: "slopes":
+// 2^(-8 (i + 1) / n) along the last dim of n; "ramp": 0.01 * (i % 97) - 0.5 over the flat index;
+// "docs": 6 i / n (six equal documents) along the last dim. As float32, bf16 or int32 bytes.
+std::vector<uint8_t> fill_capture(const CaptureSpec& c, const std::vector<int64_t>& shape,
+                                  const std::string& fill) {
+  int64_t count = 1;
+  for (int64_t x : shape) count *= x;
+  const int64_t n = shape.back();
+  const DType t = parse_dtype(c.dtype);
+  const size_t bytes = dtype_size(t);
+  std::vector<uint8_t> out(static_cast<size_t>(count) * bytes);
+  for (int64_t i = 0; i < count; ++i) {
+    double x;
+    if (fill == "slopes")
+      x = std::exp2(-8.0 * double(i % n + 1) / double(n));
+    else if (fill == "ramp")
+      x = 0.01 * double(i % 97) - 0.5;
+    else if (fill == "docs")
+      x = double(i % n * 6 / n);
+    else
+      throw Error(fmt::format("capture {}: unknown fill '{}' (slopes, ramp, docs)", c.name, fill));
+    uint8_t* at = out.data() + i * bytes;
+    if (t == DType::I32) {
+      const int32_t v = static_cast<int32_t>(x);
+      std::memcpy(at, &v, 4);
+    } else if (t == DType::F32) {
+      const float v = static_cast<float>(x);
+      std::memcpy(at, &v, 4);
+    } else if (t == DType::BF16 || t == DType::F16) {
+      const uint16_t v = t == DType::BF16 ? float_to_bf16(float(x)) : float_to_fp16(float(x));
+      std::memcpy(at, &v, 2);
+    } else {
+      *at = x != 0;
+    }
+  }
+  return out;
 }
 
 // n random 16-bit values of `dtype`, uniform in [-2, 2) (never all zeros), made on all threads.
@@ -88,7 +162,11 @@ int main(int argc, char** argv) {
   std::string dtype_name_arg = "bf16";
   bool json = false, backward = false, atomic_dq = false, deterministic = false;
   std::vector<std::string> kernel_names{"auto"}, precision_names{"fast"};
+  std::string gallery;
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
+  app.add_option("--gallery", gallery,
+                 "run the variants of this gallery (tools/gallery.json) at S = 8k / 16k, D = 64 / "
+                 "128 instead of the anchors' cases");
   app.add_option("--kernel", kernel_names,
                  "kernels to time (forward, or backward with --backward), comma-separated: auto, "
                  "portable, hopper")
@@ -125,14 +203,10 @@ int main(int argc, char** argv) {
     fmt::print(
         "| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
         "|---|---|---|---|---|---|---|---|---|\n");
-    for (const Case& c : all_cases(backward)) {
+    for (const Case& c : gallery.empty() ? all_cases(backward) : gallery_cases(gallery)) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       const int64_t B = kTokens / c.s, H = kHidden / c.d, n = B * H * c.s * c.d;
-      const bool rel_bias = c.name.starts_with("rel_bias");
-      const Variant base =
-          rel_bias ? Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias")
-                   : Variant::from_catalogue(c.name == "alibi_dslope" ? "alibi" : c.name);
-      const bool learn = c.name.ends_with("_dslope") || c.name.ends_with("_dbias");
+      const Variant& base = c.variant;
       // q, k, v, and dout for the backward; then out, dq, dk, dv.
       std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());
       flexc::DeviceBuffer buf(host.size() * 2);
@@ -150,41 +224,32 @@ int main(int argc, char** argv) {
       AttentionOptions opts;
       opts.stream = stream.get();
       BlockMaskOptions bmo;
-      std::vector<float> slope;
-      std::vector<int32_t> doc;
-      std::optional<flexc::DeviceBuffer> cap;
-      if (c.name.starts_with("alibi")) {
-        for (int64_t h = 0; h < H; ++h)
-          slope.push_back(std::exp2(-8.0 * double(h + 1) / double(H)));
-        cap.emplace(slope.size() * 4);
-        cap->upload(slope.data(), slope.size() * 4);
-        opts.captures["slope"] = TensorView{cap->get(), DType::F32, {H}, {}};
-      }
-      if (rel_bias) {
-        for (int64_t i = 0; i < H * 256; ++i) slope.push_back(0.01f * float(i % 97) - 0.5f);
-        cap.emplace(slope.size() * 4);
-        cap->upload(slope.data(), slope.size() * 4);
-        opts.captures["bias"] = TensorView{cap->get(), DType::F32, {H, 256}, {}};
-      }
-      // The learnable capture's gradient (the kernel adds into it over the repetitions).
-      std::optional<flexc::DeviceBuffer> cap_grad;
+      // The captures (deterministic contents), and with c.learn the float ones' gradients (the
+      // kernel adds into them over the repetitions).
+      std::vector<std::vector<uint8_t>> cap_host;
+      std::vector<flexc::DeviceBuffer> cap_dev;
       std::map<std::string, TensorView, std::less<>> cap_grads;
-      if (learn) {
-        const auto& [name, view] = *opts.captures.begin();
-        cap_grad.emplace(slope.size() * 4);
-        cap_grad->fill(0);
-        cap_grads[name] = TensorView{cap_grad->get(), DType::F32, view.shape, {}};
-      }
-      if (c.name == "document") {  // six documents, boundaries at round(i * S / 6)
-        std::vector<int64_t> starts;
-        for (int i = 1; i < 6; ++i) starts.push_back(std::llround(double(i) * double(c.s) / 6));
-        for (int64_t i = 0; i < c.s; ++i)
-          doc.push_back(
-              int32_t(std::upper_bound(starts.begin(), starts.end(), i) - starts.begin()));
-        cap.emplace(doc.size() * 4);
-        cap->upload(doc.data(), doc.size() * 4);
-        opts.captures["doc"] = TensorView{cap->get(), DType::I32, {c.s}, {}};
-        bmo.captures["doc"] = CaptureData{doc.data(), cap->get(), {c.s}, {}};
+      cap_host.reserve(2 * base.captures().size());
+      cap_dev.reserve(2 * base.captures().size());
+      for (const CaptureSpec& spec : base.captures()) {
+        std::vector<int64_t> shape;
+        for (const std::string& dim : spec.dims)
+          shape.push_back(dim == "B" ? B : dim == "H" ? H : dim == "Q_LEN" || dim == "KV_LEN" ? c.s
+                                                                                 : std::stoll(dim));
+        const auto fill = c.fills.find(spec.name);
+        if (fill == c.fills.end())
+          throw Error(fmt::format("case {}: no fill for capture '{}'", c.name, spec.name));
+        cap_host.push_back(fill_capture(spec, shape, fill->second));
+        cap_dev.emplace_back(cap_host.back().size());
+        cap_dev.back().upload(cap_host.back().data(), cap_host.back().size());
+        const DType t = parse_dtype(spec.dtype);
+        opts.captures[spec.name] = TensorView{cap_dev.back().get(), t, shape, {}};
+        bmo.captures[spec.name] = CaptureData{cap_host.back().data(), cap_dev.back().get(), shape, {}};
+        if (c.learn && t == DType::F32) {
+          cap_dev.emplace_back(cap_host.back().size());
+          cap_dev.back().fill(0);
+          cap_grads[spec.name] = TensorView{cap_dev.back().get(), DType::F32, shape, {}};
+        }
       }
       std::optional<BlockMask> bm;
       double dens = 1;

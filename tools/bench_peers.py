@@ -9,6 +9,8 @@ flexc / peer ratios per case (> 1: flexc faster).
 
     python3 tools/bench_peers.py --flexc "build/bench_attention --json"
     python3 tools/bench_peers.py --backward --flexc "build/bench_attention --backward --json"
+    python3 tools/bench_peers.py --gallery tools/gallery.json \
+        --flexc "build/bench_attention --gallery tools/gallery.json --json"
 
 With --backward, the backward pass alone is timed (torch.autograd.grad of a saved forward, with
 the flexc numbers from bench_attention --backward), FLOPs 2.5 times the forward's.
@@ -34,11 +36,40 @@ WINDOW, PREFIX, DOCS, CAP = 1024, 2048, 6, 30.0
 
 
 def doc_ids(s, device):
-    # Six documents of (nearly) equal length, boundaries at round(i * S / 6): bench_attention
-    # uses the same split.
-    idx = torch.arange(s, device=device)
-    bounds = torch.tensor([round(i * s / DOCS) for i in range(1, DOCS)], device=device)
-    return torch.bucketize(idx, bounds, right=True).to(torch.int32)
+    # Six documents of (nearly) equal length: document 6 i / S (bench_attention's "docs" fill).
+    return (torch.arange(s, device=device) * DOCS // s).to(torch.int32)
+
+
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "int32": torch.int32, "bool": torch.bool}
+
+
+def fill(kind, shape, dtype, device):
+    """A capture's contents as bench_attention fills it (its fill_capture)."""
+    count, n = math.prod(shape), shape[-1]
+    i = torch.arange(count, device=device, dtype=torch.int64)
+    if kind == "slopes":
+        x = torch.exp2(-8.0 * (i % n + 1).double() / n)
+    elif kind == "ramp":
+        x = 0.01 * (i % 97).double() - 0.5
+    elif kind == "docs":
+        x = (i % n * DOCS // n).double()
+    else:
+        raise ValueError(f"unknown fill {kind}")
+    return x.view(shape).to(DTYPES[dtype])
+
+
+def gallery_case(entry, b, h, s, device):
+    """(score_mod, mask_mod, ()) of a gallery entry: its torch expressions over its captures."""
+    dims = {"B": b, "H": h, "Q_LEN": s, "KV_LEN": s}
+    ns = {"torch": torch}
+    for c in entry.get("captures", []):
+        shape = [dims[x] if isinstance(x, str) else int(x) for x in c["shape"]]
+        ns[c["name"]] = fill(entry["fills"][c["name"]], shape, c["dtype"], device)
+    t = entry["torch"]
+    score = eval(f"lambda sc, b, h, q, kv: {t['score_mod']}", ns) if "score_mod" in t else None
+    mask = eval(f"lambda b, h, q, kv: {t['mask_mod']}", ns) if "mask_mod" in t else None
+    return score, mask, ()
 
 
 def make_case(name, s, h, device):
@@ -98,7 +129,13 @@ def time_ms(fn, reps):
     return times[len(times) // 2]
 
 
-def cases(backward):
+def cases(backward, gallery):
+    if gallery:
+        for entry in gallery:
+            for d in (64, 128):
+                for s in (8192, 16384):
+                    yield entry["name"], s, d
+        return
     for d in (64, 128):
         for s in (1024, 4096, 16384):
             for name in ("noop", "causal"):
@@ -119,24 +156,26 @@ def timed(fn, backward, inputs, reps):
     return time_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), reps)
 
 
-def run_peers(reps, only, backward):
+def run_peers(reps, only, backward, gallery):
     device = "cuda"
     # One compiled kernel per shape and variant: let dynamo keep them all.
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.recompile_limit = 256
     flex = torch.compile(flex_attention, dynamic=False)
     results = {}
-    for name, s, d in cases(backward):
+    entries = {e["name"]: e for e in gallery or []}
+    for name, s, d in cases(backward, gallery):
         if only and name not in only:
             continue
         b, h = TOKENS // s, HIDDEN // d
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16,
                                requires_grad=backward) for _ in range(3))
-        score_mod, mask_mod, learnable = make_case(name, s, h, device)
+        score_mod, mask_mod, learnable = (gallery_case(entries[name], b, h, s, device)
+                                          if gallery else make_case(name, s, h, device))
         dens = density(mask_mod, s, device)
         flops = (2.5 if backward else 1.0) * 4.0 * b * h * s * s * d * dens
         row = {"density": dens}
-        if name in ("noop", "causal"):
+        if name in ("noop", "causal") and not gallery:
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"),
                                    (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
                 try:
@@ -176,9 +215,11 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
     ap.add_argument("--backward", action="store_true", help="time the backward pass")
+    ap.add_argument("--gallery", help="run this gallery's variants (tools/gallery.json) instead")
     args = ap.parse_args()
+    gallery = json.load(open(args.gallery))["variants"] if args.gallery else None
     ours = run_flexc(args.flexc) if args.flexc else {}
-    peers = run_peers(args.reps, args.only, args.backward)
+    peers = run_peers(args.reps, args.only, args.backward, gallery)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     hdr = f"{'case':15s} {'kernel':8s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} " \
           f"{'cuDNN':>6s} {'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
@@ -195,6 +236,14 @@ def main():
                   f"{fmt(mine['tflops'] if mine else None)} {fmt(tf.get('sdpa_flash'))} "
                   f"{fmt(tf.get('sdpa_cudnn'))} {fmt(tf.get('flex'))} {ratio('sdpa_flash'):>6s} "
                   f"{ratio('sdpa_cudnn'):>7s} {ratio('flex'):>6s}")
+    # Per kernel: the geometric mean of flexc's speed-up over Flex, and the cases below 1.
+    for kernel, mine in ours.items():
+        r = {k: peers[k]["flex"] / v["ms"] for k, v in mine.items() if "flex" in peers.get(k, {})}
+        if r:
+            gm = math.exp(sum(math.log(x) for x in r.values()) / len(r))
+            slow = ", ".join(f"{n} S={s} D={d} {x:.2f}" for (n, s, d), x in r.items() if x < 1)
+            print(f"{kernel}: x Flex geometric mean {gm:.2f} over {len(r)} cases; "
+                  f"min {min(r.values()):.2f}; below 1: {slow or 'none'}")
 
 
 if __name__ == "__main__":
