@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <bit>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -165,6 +166,14 @@ class BodyWriter {
     }
   }
 
+  // k when node `id` is the int constant 2^k (0 <= k <= 30), else -1.
+  int log2_of(NodeId id) const {
+    const Node& c = g_[id];
+    if (c.op != Op::Const || c.type != Type::Int || c.ival <= 0 || c.ival > (1 << 30)) return -1;
+    const auto v = static_cast<uint32_t>(c.ival);
+    return (v & (v - 1)) == 0 ? std::countr_zero(v) : -1;
+  }
+
   std::string offset_expr(const Node& n) const {
     if (n.slot >= decls_.captures.size())
       throw std::invalid_argument(
@@ -261,8 +270,14 @@ class BodyWriter {
       case Op::Div:
         return call("__fdiv_rn");
       case Op::FloorDiv:
+        // By a power of two, floored division is an arithmetic shift and floored modulo a mask
+        // (-7 // 8 == -7 >> 3 == -1, -7 % 8 == -7 & 7 == 1): 1 instruction instead of ~6.
+        if (const int k = f ? -1 : log2_of(n.args[1]); k >= 0)
+          return fmt::format("{} >> {}", arg(0), k);
         return call(f ? "flexc_floordivf" : "flexc_floordiv");
       case Op::Mod:
+        if (const int k = f ? -1 : log2_of(n.args[1]); k >= 0)
+          return fmt::format("{} & {}", arg(0), (1 << k) - 1);
         return call(f ? "flexc_modf" : "flexc_mod");
       case Op::Shl:
         return call("flexc_shl");

@@ -139,6 +139,19 @@ TEST_CASE("literals are exact float32 and int32", "[emit]") {
   CHECK(has(t, "(-7)"));
 }
 
+TEST_CASE("int // and % by a power of two are a shift and a mask", "[emit]") {
+  const std::string t = emit(parse(
+      "score + float((q_idx - kv_idx) // 128 + (q_idx - kv_idx) % 64 + q_idx // 1 + kv_idx // 6)",
+      "(kv_idx - q_idx) % 2 == 0 && q_idx // 1073741824 == 0"));
+  CHECK(has(t, " >> 7;"));
+  CHECK(has(t, " & 63;"));
+  CHECK(has(t, "flexc_floordiv(kv_idx, 6)"));  // not a power of two
+  CHECK(has(t, " & 1;"));
+  CHECK(has(t, "q_idx >> 30;"));
+  // Float // and % keep their floor-based forms.
+  CHECK(has(emit(parse("score // 4.0 + score % 2.0", "true")), "flexc_floordivf(score, 4.0f)"));
+}
+
 TEST_CASE("the emitter rejects more captures than the hooks carry", "[emit]") {
   Decls d;
   for (int i = 0; i < 9; ++i) d.captures.push_back({fmt::format("c{}", i), DType::F32, {{Dim::H}}});
