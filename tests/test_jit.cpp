@@ -887,6 +887,30 @@ bool close(float got, double want, double tol) {
 // params and scores, and compares with the interpreter: masks exactly, score_mod and its
 // derivative within `tol` of the F32 mode (0: bit for bit) and score_mod within 10 tol of the F64
 // oracle, capture gradients within 1e-5 of the summed magnitudes (atomics add in any order).
+// What flexc_mods_eval wrote (templates/mods_eval.cuh) over the grid [0, B) x [0, H) x [0, q_len)
+// x [0, kv_len) with `scores` in: score_mod, its derivative and the mask, outputs poisoned first.
+struct ModsEvalOut {
+  std::vector<float> score, grad;
+  std::vector<uint8_t> mask;
+};
+ModsEvalOut mods_eval(const Kernel& k, FlexcArgs& args, int B, int H, int q_len, int kv_len,
+                      const std::vector<float>& scores, float grad_score) {
+  const size_t n = scores.size();
+  DeviceBuffer s_in = DeviceBuffer::from(std::span<const float>(scores));
+  DeviceBuffer s_out(n * 4), g_out(n * 4), m_out(n);
+  s_out.fill(0xff);  // poisoned: NaN until written
+  g_out.fill(0xff);
+  m_out.fill(2);
+  int zero = 0;
+  void* sp = s_in.get();
+  void *so = s_out.get(), *go = g_out.get(), *mo = m_out.get();
+  void* launch_args[] = {&args,  &B,      &H,  &zero, &q_len, &zero, &kv_len,
+                         &q_len, &kv_len, &sp, &so,   &go,    &mo,   &grad_score};
+  k.launch(static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 0, nullptr, launch_args);
+  synchronize_device();
+  return {s_out.to_vector<float>(n), g_out.to_vector<float>(n), m_out.to_vector<uint8_t>(n)};
+}
+
 void check_on_gpu(const Variant& v, double tol) {
   constexpr int B = 2, H = 4, q_len = 37, kv_len = 53;
   constexpr int q0 = 0, nq = q_len, kv0 = 0, nkv = kv_len;
@@ -939,21 +963,10 @@ void check_on_gpu(const Variant& v, double tol) {
   std::vector<float> scores(n);
   for (size_t i = 0; i < n; ++i)
     scores[i] = i % 97 == 0 ? -INFINITY : std::uniform_real_distribution<float>(-8, 8)(rng());
-  DeviceBuffer s_in = DeviceBuffer::from(std::span<const float>(scores));
-  DeviceBuffer s_out(n * 4), g_out(n * 4), m_out(n);
-  s_out.fill(0xff);  // poisoned: NaN until written
-  g_out.fill(0xff);
-  m_out.fill(2);
-  int iB = B, iH = H, iq0 = q0, inq = nq, ikv0 = kv0, inkv = nkv, iql = q_len, ikl = kv_len;
-  void* sp = s_in.get();
-  void *so = s_out.get(), *go = g_out.get(), *mo = m_out.get();
-  float grad_score = 0.25f;
-  void* launch_args[] = {&args, &iB,  &iH, &iq0, &inq, &ikv0, &inkv,
-                         &iql,  &ikl, &sp, &so,  &go,  &mo,   &grad_score};
-  k.launch(static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 0, nullptr, launch_args);
-  synchronize_device();
-  const std::vector<float> got_s = s_out.to_vector<float>(n), got_g = g_out.to_vector<float>(n);
-  const std::vector<uint8_t> got_m = m_out.to_vector<uint8_t>(n);
+  const float grad_score = 0.25f;
+  const ModsEvalOut out = mods_eval(k, args, B, H, q_len, kv_len, scores, grad_score);
+  const std::vector<float>&got_s = out.score, &got_g = out.grad;
+  const std::vector<uint8_t>& got_m = out.mask;
 
   dsl::Graph dg = impl.score.graph;
   const dsl::NodeId droot = dsl::derivative_wrt_score(dg, dg.root);
@@ -1092,21 +1105,10 @@ namespace {
 
 // score_mod(score) of a variant reading only the score, evaluated on the GPU at each of `scores`.
 std::vector<float> score_mod_on_gpu(const Variant& v, const std::vector<float>& scores) {
-  const Kernel& k = get_kernel(v, mods_eval_spec({}));
-  const int n = static_cast<int>(scores.size());
-  DeviceBuffer s_in = DeviceBuffer::from(std::span<const float>(scores));
-  DeviceBuffer s_out(scores.size() * 4), g_out(scores.size() * 4), m_out(scores.size());
-  s_out.fill(0xff);
   FlexcArgs args{};
-  int one = 1, zero = 0, len = n;
-  void* sp = s_in.get();
-  void *so = s_out.get(), *go = g_out.get(), *mo = m_out.get();
-  float grad_score = 0.f;
-  void* launch_args[] = {&args, &one, &one, &zero, &one, &zero, &len,
-                         &one,  &len, &sp,  &so,   &go,  &mo,  &grad_score};
-  k.launch(static_cast<unsigned>((n + 255) / 256), 1, 1, 256, 0, nullptr, launch_args);
-  synchronize_device();
-  return s_out.to_vector<float>(scores.size());
+  return mods_eval(get_kernel(v, mods_eval_spec({})), args, 1, 1, 1,
+                   static_cast<int>(scores.size()), scores, 0.f)
+      .score;
 }
 
 }  // namespace
