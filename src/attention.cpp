@@ -33,7 +33,7 @@ namespace detail {
 
 TileConfig fwd_config(int head_dim) {
   // 4 warps of 32 query rows each where the registers allow (K / V fragments serve two row
-  // tiles); 16 rows per warp for D = 96 and 256, whose accumulators need the registers. Two
+  // tiles); 16 rows per warp for D = 96, 192 and 256, whose accumulators need the registers. Two
   // stages: K / V of the next tile load while this one is computed. Measured in docs/perf.md.
   TileConfig c{};
   switch (head_dim) {
@@ -41,25 +41,33 @@ TileConfig fwd_config(int head_dim) {
     case 64:
     case 128: c = {128, 64, 128, 2, 0}; break;
     case 96: c = {64, 64, 128, 2, 0}; break;
+    case 192:
     case 256: c = {64, 32, 128, 2, 0}; break;
     default:
-      throw Error(fmt::format("head dim {} is not supported (32, 64, 96, 128 or 256)", head_dim));
+      throw Error(
+          fmt::format("head dim {} is not supported (32, 64, 96, 128, 192 or 256)", head_dim));
   }
   c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n);
   return c;
 }
 
-bool sm90_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
+bool fwd_sm90_supports(int head_dim) {
+  return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
+}
 
 TileConfig fwd_config_sm90(int head_dim) {
   // A producer warpgroup and two consumer warpgroups of 64 query rows, 128-wide kv tiles (the
   // default BlockMask tile), K and V in two stages each; then 9 mbarriers, and 1024 bytes to
-  // align the tiles for wgmma's swizzle (docs/perf.md).
-  if (!sm90_supports(head_dim))
-    throw Error(fmt::format("the Hopper kernel has no head dim {} (64 or 128)", head_dim));
+  // align the tiles for wgmma's swizzle (docs/perf.md). Above D 128, 64-wide kv tiles: a
+  // consumer's O takes 96 or 128 of its 240 registers, and Q with two stages of K and V must fit
+  // 227 KiB. D 96 is stored as two whole 64-column panels (TMA fills the last 32 with zeros).
+  if (!fwd_sm90_supports(head_dim))
+    throw Error(
+        fmt::format("the Hopper kernel has no head dim {} (64, 96, 128, 192 or 256)", head_dim));
   // Threads: a producer warpgroup and one consumer warpgroup per 64 rows (the kernel asserts it).
-  TileConfig c{128, 128, 128 * (1 + 128 / 64), 2, 0};
-  c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n) +
+  TileConfig c{128, head_dim > 128 ? 64 : 128, 128 * (1 + 128 / 64), 2, 0};
+  const size_t panels_d = size_t(head_dim + 63) / 64 * 64;
+  c.smem_bytes = size_t(2) * panels_d * (c.block_m + 2 * c.stages * c.block_n) +
                  8 * (1 + 4 * c.stages) + 1024;
   return c;
 }
@@ -108,8 +116,12 @@ FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
 std::string hopper_misfit(std::string_view kernel, TileConfig (*config)(int), int D,
                           const BlockMask* bm,
                           std::initializer_list<std::pair<const char*, const TensorView*>> tensors) {
-  if (!sm90_supports(D)) return fmt::format("the {} has no head dim {} (64 or 128)", kernel, D);
-  const TileConfig c = config(D);
+  TileConfig c;
+  try {
+    c = config(D);
+  } catch (const Error& e) {  // no configuration for this head dim: the message says which
+    return e.what();
+  }
   if (bm && !tiles_fit(*bm, c.block_m, c.block_n))
     return fmt::format("block_mask tiles {} x {} must be multiples of the {}'s {} x {}",
                        bm->q_tile(), bm->kv_tile(), kernel, c.block_m, c.block_n);
@@ -214,8 +226,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
     fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
   // Checked on the int64: the cast for fwd_config would wrap 2^32 + 128 to 128.
-  if (D != 32 && D != 64 && D != 96 && D != 128 && D != 256)
-    fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128 or 256)", D));
+  if (D != 32 && D != 64 && D != 96 && D != 128 && D != 192 && D != 256)
+    fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128, 192 or 256)", D));
   const detail::TileConfig portable = detail::fwd_config(static_cast<int>(D));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
   const std::string hopper_misfit =

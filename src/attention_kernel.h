@@ -27,8 +27,8 @@ struct TileConfig {
 TileConfig fwd_config(int head_dim);
 // The Hopper kernel's; throws flexc::Error for a head dim it does not support.
 TileConfig fwd_config_sm90(int head_dim);
-// Whether the Hopper kernel has a configuration for this head dim.
-bool sm90_supports(int head_dim);
+// Whether the Hopper forward kernel has a configuration for this head dim.
+bool fwd_sm90_supports(int head_dim);
 
 // The backward kernel's (templates/attention_bwd.cuh); throws flexc::Error for a head dim it does
 // not support.
@@ -36,7 +36,7 @@ TileConfig bwd_config(int head_dim);
 // Shared memory of the deterministic mode's dQ kernel (flexc_attention_bwd_dq_rows).
 size_t bwd_dq_rows_smem(int head_dim);
 // The Hopper backward kernel's (templates/attention_bwd_sm90.cuh); throws flexc::Error for a head
-// dim it does not support (sm90_supports says which).
+// dim it does not support (64 and 128 only).
 TileConfig bwd_config_sm90(int head_dim);
 
 // Whether the Hopper kernels can load `t` with TMA: a nonzero stride below 2^39 elements on every
@@ -46,8 +46,8 @@ bool tma_fits(const TensorView& t);
 // columns (one 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
 FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows);
 // Why a Hopper kernel (`kernel`: "Hopper kernel", "Hopper backward kernel"; `config` its
-// configuration per head dim) cannot take a call of head dim D with these TMA-loaded tensors and
-// BlockMask; empty when it can.
+// configuration per head dim, throwing for a head dim it lacks) cannot take a call of head dim D
+// with these TMA-loaded tensors and BlockMask; empty when it can.
 std::string hopper_misfit(std::string_view kernel, TileConfig (*config)(int), int D,
                           const BlockMask* bm,
                           std::initializer_list<std::pair<const char*, const TensorView*>> tensors);

@@ -13,8 +13,9 @@
 //   leaves registers: wgmma takes A from registers in the layout the softmax leaves it in.
 //
 // Compile-time configuration (from src/attention.cpp's fwd_config_sm90, which sizes the launch):
-// FLEXC_HEAD_DIM (64 or 128), FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows),
-// FLEXC_BLOCK_N (128), FLEXC_STAGES (2).
+// FLEXC_HEAD_DIM (64, 96, 128, 192 or 256), FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64
+// rows), FLEXC_BLOCK_N (128; 64 for head dims above 128, whose O accumulators take 96 or 128
+// registers of a consumer thread's 240), FLEXC_STAGES (2).
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"
@@ -32,8 +33,10 @@ constexpr int kThreads = 384;  // producer + two consumers; the host launches 12
 constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
 constexpr int kDT = kD / 8;       // n8 column tiles of O per warp
 
-static_assert(kD == 64 || kD == 128, "head dim 64 or 128");
-static_assert(kBlockM == 128 && kBlockN == 128 && kStages >= 2, "the configuration built and tested");
+static_assert(kD == 64 || kD == 96 || kD == 128 || kD == 192 || kD == 256,
+              "head dim 64, 96, 128, 192 or 256");
+static_assert(kBlockM == 128 && (kBlockN == 128 || kBlockN == 64) && kStages >= 2,
+              "the configurations built and tested");
 // setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
 // must be covered by what the producer releases, or it waits forever.
 constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
@@ -44,7 +47,8 @@ static_assert(128 * (kLaunchRegs - kProducerRegs) >= 256 * (kConsumerRegs - kLau
 using QTile = Sw128Tile<kBlockM, kD>;
 using KvTile = Sw128Tile<kBlockN, kD>;
 // Shared memory: Q, K[kStages], V[kStages] (each 1024-byte aligned: the sizes are multiples of
-// 1024), then the mbarriers. The host adds 1024 bytes for aligning the dynamic base.
+// 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the last 32), then the
+// mbarriers. The host adds 1024 bytes for aligning the dynamic base.
 constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KvTile::kBytes + 8 * kBarriers;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
@@ -90,7 +94,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, in
 __device__ __forceinline__ void issue_pv(float (&o)[kDT][4], const unsigned (&pa)[kNT / 2][4],
                                          unsigned v_tile) {
 #pragma unroll
-  for (int kk = 0; kk < kNT / 2; ++kk) wgmma_rs<kBf16>(o, pa[kk], KvTile::mn_major(v_tile, kk * 16));
+  for (int kk = 0; kk < kNT / 2; ++kk) wgmma_rs_cols<KvTile, kBf16>(o, pa[kk], v_tile, kk * 16);
   wgmma_commit();
 }
 

@@ -16,17 +16,19 @@
 namespace flexc_tile {
 
 // A ROWS x COLS tile of 16-bit elements in the layout wgmma reads with 128-byte swizzling:
-// COLS / 64 panels of ROWS x 64 elements, one 128-byte line per row, each line's 16-byte chunks
-// XOR-permuted by row % 8 (TMA's SWIZZLE_128B pattern). Reads of 8 rows of one chunk column hit 8
-// different bank groups. The tile starts 1024-byte aligned (the swizzle repeats every 8 rows).
+// ceil(COLS / 64) panels of ROWS x 64 elements, one 128-byte line per row, each line's 16-byte
+// chunks XOR-permuted by row % 8 (TMA's SWIZZLE_128B pattern). Reads of 8 rows of one chunk column
+// hit 8 different bank groups. The tile starts 1024-byte aligned (the swizzle repeats every 8
+// rows). When COLS is not a multiple of 64 (head dim 96), the last panel is whole in memory and
+// its columns past COLS hold TMA's zero fill; products never read them.
 template <int ROWS, int COLS>
 struct Sw128Tile {
-  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "whole 64-column panels of 8-row groups");
+  static_assert(COLS % 32 == 0 && ROWS % 8 == 0, "32-column multiples of 8-row groups");
   static constexpr int kRows = ROWS;
-  static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row
-  static constexpr int kPanels = COLS / 64;
+  static constexpr int kChunks = COLS / 8;  // 16-byte chunks per row that hold data
+  static constexpr int kPanels = (COLS + 63) / 64;
   static constexpr int kPanelBytes = ROWS * 128;
-  static constexpr int kBytes = ROWS * COLS * 2;
+  static constexpr int kBytes = kPanels * kPanelBytes;
 
   // Byte offset of chunk `c` of row `r`.
   __device__ __forceinline__ static unsigned offset(int r, int c) {
@@ -232,37 +234,65 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a
   }
 }
 
-// d += A.B, m64nNk16, A from registers (mma.sync A fragment of the warp's 16 rows), B from
-// shared memory MN-major (transposed). N is 64 or 128.
-template <bool BF16, int NT>
+// d[J0 .. J0 + N / 8) += A.B, m64nNk16, A from registers (mma.sync A fragment of the warp's 16
+// rows), B from shared memory MN-major (transposed). N is 32, 64 or 128; SLICE_NT = N / 8, 0 for
+// all of d.
+template <bool BF16, int SLICE_NT = 0, int J0 = 0, int NT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[4],
                                          unsigned long long b) {
-  static_assert(NT == 8 || NT == 16, "wgmma_rs: N must be 64 or 128");
-  if constexpr (NT == 8) {
+  constexpr int kNT = SLICE_NT ? SLICE_NT : NT;
+  static_assert(kNT == 4 || kNT == 8 || kNT == 16, "wgmma_rs: N must be 32, 64 or 128");
+  static_assert(J0 + kNT <= NT, "the slice lies in d");
+  if constexpr (kNT == 4) {
+    if constexpr (BF16) {
+      asm volatile(FLEXC_WGMMA("m64n32k16", "bf16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
+                               "%21", "1")
+                   : FLEXC_ACC16(d, J0)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    } else {
+      asm volatile(FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
+                               "%21", "1")
+                   : FLEXC_ACC16(d, J0)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+    }
+  } else if constexpr (kNT == 8) {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
                                "%37", "1")
-                   : FLEXC_ACC32(d, 0)
+                   : FLEXC_ACC32(d, J0)
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
     } else {
       asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
                                "%37", "1")
-                   : FLEXC_ACC32(d, 0)
+                   : FLEXC_ACC32(d, J0)
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
     }
   } else {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
                                "%69", "1")
-                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
+                   : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
     } else {
       asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
                                "%69", "1")
-                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
+                   : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
     }
   }
+}
+
+// d += A.B for any N that is a multiple of 32 (head dims 96, 192, 256 as well as 64 and 128):
+// one wgmma_rs per column slice of at most 128, on B's rows [row0, row0 + 16) of the MN-major
+// tile `Tile` from column 8 J0. The slices share A's registers and the caller's commit group.
+template <class Tile, bool BF16, int J0 = 0, int NT>
+__device__ __forceinline__ void wgmma_rs_cols(float (&d)[NT][4], const unsigned (&a)[4],
+                                              unsigned tile, int row0) {
+  constexpr int kLeft = NT - J0;
+  constexpr int kSlice = kLeft >= 16 ? 16 : kLeft >= 8 ? 8 : 4;
+  static_assert(kLeft % 4 == 0, "N a multiple of 32");
+  wgmma_rs<BF16, kSlice, J0>(d, a, Tile::mn_major(tile, row0, 8 * J0));
+  if constexpr (kLeft > kSlice) wgmma_rs_cols<Tile, BF16, J0 + kSlice>(d, a, tile, row0);
 }
 
 #undef FLEXC_WGMMA

@@ -485,7 +485,14 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   o.block_mask = nullptr;
   CHECK_THAT(err(t({1, 4, 16, 32}), TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}},
                  TensorView{out.data, out.dtype, {1, 4, 16, 32}, {}}, o),
-             Contains("the Hopper kernel has no head dim 32 (64 or 128)"));
+             Contains("the Hopper kernel has no head dim 32 (64, 96, 128, 192 or 256)"));
+  // Above D 128 the Hopper kernel's kv tiles are 64 wide: a 128 x 64 BlockMask fits them.
+  for (int d : {64, 96, 128, 192, 256}) {
+    const detail::TileConfig c = detail::fwd_config_sm90(d);
+    INFO("D " << d);
+    CHECK(c.smem_bytes <= 227 * 1024);
+    CHECK(c.block_n == (d > 128 ? 64 : 128));
+  }
   for (FwdKernel fk : {FwdKernel::Auto, FwdKernel::Portable, FwdKernel::Hopper})
     CHECK(parse_fwd_kernel(to_string(fk)) == fk);
   CHECK_THROWS_WITH(parse_fwd_kernel("hoper"),
@@ -497,7 +504,7 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
 
 TEST_CASE("the forward kernel has a configuration per head dim and compiles for each",
           "[attention]") {
-  for (int d : {32, 64, 96, 128, 256}) {
+  for (int d : {32, 64, 96, 128, 192, 256}) {
     const detail::TileConfig c = detail::fwd_config(d);
     INFO("D " << d);
     CHECK(c.block_m % (16 * (c.threads / 32)) == 0);
@@ -513,8 +520,10 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
                                           {{"bias", "float32", {"2"}}});
   std::vector<jit::KernelSpec> specs;
   for (const char* dtype : {"bf16", "fp16"}) {
-    for (int d : {32, 64, 96, 128, 256}) specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, d}));
-    for (int d : {64, 128}) specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, d}));
+    for (int d : {32, 64, 96, 128, 192, 256})
+      specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, d}));
+    for (int d : {64, 96, 128, 192, 256})
+      specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, d}));
   }
   const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
   for (size_t i = 0; i < out.size(); ++i) {
@@ -571,6 +580,15 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
     }
   }
+  // The other head dims (O takes 48 / 96 / 128 registers), with the costliest hooks.
+  for (const char* name : {"softcap", "t5_bias", "document", "neighborhood_2d"})
+    for (int d : {96, 192, 256}) {
+      const std::string log = ptxas_log(Variant::from_catalogue(name),
+                                        jit::attention_fwd_sm90_spec({"sm_90", "bf16", d}));
+      INFO(name << " D " << d << "\n" << log);
+      CHECK(log.find("C751") == std::string::npos);
+      CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
+    }
 }
 
 TEST_CASE("the backward kernel builds for every variant with bounded spills", "[attention][catalogue]") {
@@ -743,7 +761,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
 // The forward kernels this GPU runs for head dim d: the portable one, and on sm_90 the Hopper one.
 std::vector<FwdKernel> kernels_for(int64_t d) {
   std::vector<FwdKernel> k{FwdKernel::Portable};
-  if (flexc::current_arch() == "sm_90" && detail::sm90_supports(int(d))) k.push_back(FwdKernel::Hopper);
+  if (flexc::current_arch() == "sm_90" && detail::fwd_sm90_supports(int(d))) k.push_back(FwdKernel::Hopper);
   return k;
 }
 
@@ -779,8 +797,9 @@ TEST_CASE("rows with no unmasked element give 0 and -inf, never NaN", "[gpu]") {
   const Variant v = Variant::from_strings("where(q_idx % 5 == 1, -inf, score)", "q_idx % 3 != 0");
   for (DType d : {DType::BF16, DType::F16})
     for (bool bm : {true, false})
-      for (FwdKernel kernel : kernels_for(128)) {
-        GpuCase c{d, 2, 4, 2, 300, 200, 128, false, 0, bm, {}, kernel};
+      for (int64_t hd : {128, 192})
+        for (FwdKernel kernel : kernels_for(hd)) {
+        GpuCase c{d, 2, 4, 2, 300, 200, hd, false, 0, bm, {}, kernel};
         INFO(c.describe());
         const Accuracy a = run_case(v, c, 1 << 20);
         INFO(a.summary());
@@ -847,12 +866,19 @@ TEST_CASE("strides, MQA, per-batch masks and the other head dims", "[gpu]") {
       CHECK(a.pass);
     }
   }
-  for (int64_t d : {32, 96, 256})
-    for (DType t : {DType::BF16, DType::F16})
-      for (const char* name : {"causal", "softcap"}) {
-        GpuCase e{t, 1, 4, 2, 333, 517, d, d == 96, 0, true, {}};
-        INFO(name << ": " << e.describe());
-        const Accuracy a = run_case(Variant::from_catalogue(name), e);
+  // Head dims 96, 192 and 256 on both kernels (the Hopper one pads D 96 to two 64-column panels
+  // and takes 64-wide kv tiles above D 128): lengths off the tiles, Q_LEN != KV_LEN, GQA, the
+  // [B, S, H, D] layout with padded rows, captures, params, and the BlockMask's partial tiles.
+  const char* names[] = {"causal", "softcap", "alibi", "document", "sliding_window", "noop"};
+  for (int64_t d : {32, 96, 192, 256})
+    for (FwdKernel kernel : kernels_for(d))
+      for (size_t i = 0; i < std::size(names); ++i) {
+        const DType t = i % 2 ? DType::F16 : DType::BF16;
+        GpuCase e{t, 1 + int64_t(i % 2), 4, i % 3 ? 2 : 1, 333, 517, d, i % 2 == 0, i % 4 ? 0 : 8,
+                  true, {}, kernel};
+        if (i == 4) e.Lq = 1000, e.Lkv = 129, e.params["window"] = 100;
+        INFO(names[i] << ": " << e.describe());
+        const Accuracy a = run_case(Variant::from_catalogue(names[i]), e);
         INFO(a.summary());
         CHECK(a.pass);
       }

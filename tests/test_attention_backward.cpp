@@ -481,7 +481,11 @@ TEST_CASE("backward: derivatives other than 1 and learnable biases against the r
   const std::vector<CaptureSpec> gain_bias{{"gain", "float32", {"H"}}, {"bias", "float32", {"H", "3"}}};
   const Variant variants[] = {
       Variant::from_strings("score * score / 8.0", "kv_idx <= q_idx", {}, {}, "square"),
-      Variant::from_strings("score > 0 ? score : score * 0.5", "true", {}, {}, "leaky"),
+      // The kink sits at 3, not 0: where the kernel's fp32 score and the reference's float64 one
+      // fall on either side of it, dS differs by half that element's P (dP - delta); at 0, where
+      // scores are densest, that happened in about 1 run in 50 (seed 234101338: dq / dk 2.5x
+      // ref from one element). Scores above 3 still take the other branch in every shape.
+      Variant::from_strings("score > 3 ? score : score * 0.5", "true", {}, {}, "leaky"),
       Variant::from_strings("score + bias[h, clamp(kv_idx - q_idx, -32, 31) + 32]", "true", table,
                             {}, "relative_table"),
       Variant::from_strings("score + bias[b, h, q_idx, kv_idx]", "true", full, {}, "full_bias"),

@@ -6,9 +6,11 @@
 // [H, 256] table indexed by the clamped relative position). With --gallery tools/gallery.json,
 // the gallery's variants instead (issue 11's broader sample: transcendental score_mods, learned
 // biases, integer-heavy mods, capture-based and 2-D masks, combinations), at S = 8k and 16k,
-// D = 64 and 128, with the same shape rule.
+// D = 64 and 128, with the same shape rule. With --head-dims, the other head dims instead: noop
+// and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, 16k tokens per batch, H = 16.
 //
-//   bench_attention [--cases noop,causal,...] [--gallery FILE] [--reps 20] [--dtype bf16|fp16]
+//   bench_attention [--cases noop,causal,...] [--gallery FILE | --head-dims] [--reps 20]
+//                   [--dtype bf16|fp16]
 //                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
 //
 // FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention),
@@ -50,6 +52,7 @@ struct Case {
   Variant variant;
   std::map<std::string, std::string> fills;
   bool learn = false;
+  int64_t h = 0;  // heads; 0: kHidden / d
 };
 
 // Backward only: a learnable bias with and without its gradient (the bias-gradient overhead).
@@ -71,6 +74,18 @@ std::vector<Case> all_cases(bool backward) {
     const Variant rel = Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias");
     cases.push_back({"rel_bias", 16384, 128, rel, {{"bias", "ramp"}}});
     cases.push_back({"rel_bias_dbias", 16384, 128, rel, {{"bias", "ramp"}}, true});
+  }
+  return cases;
+}
+
+// Head dims beyond 64 and 128 (the same cases in tools/bench_peers.py --head-dims).
+std::vector<Case> head_dim_cases() {
+  std::vector<Case> cases;
+  for (int64_t d : {96, 192, 256}) {
+    for (int64_t s : {4096, 16384})
+      for (const char* name : {"noop", "causal"})
+        cases.push_back({name, s, d, Variant::from_catalogue(name), {}, false, 16});
+    cases.push_back({"softcap", 16384, d, Variant::from_catalogue("softcap"), {}, false, 16});
   }
   return cases;
 }
@@ -163,10 +178,13 @@ int main(int argc, char** argv) {
   bool json = false, backward = false, atomic_dq = false, deterministic = false;
   std::vector<std::string> kernel_names{"auto"}, precision_names{"fast"};
   std::string gallery;
+  bool head_dims = false;
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--gallery", gallery,
                  "run the variants of this gallery (tools/gallery.json) at S = 8k / 16k, D = 64 / "
                  "128 instead of the anchors' cases");
+  app.add_flag("--head-dims", head_dims,
+               "run noop, causal and softcap at D = 96, 192 and 256 (H = 16) instead");
   app.add_option("--kernel", kernel_names,
                  "kernels to time (forward, or backward with --backward), comma-separated: auto, "
                  "portable, hopper")
@@ -203,9 +221,12 @@ int main(int argc, char** argv) {
     fmt::print(
         "| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
         "|---|---|---|---|---|---|---|---|---|\n");
-    for (const Case& c : gallery.empty() ? all_cases(backward) : gallery_cases(gallery)) {
+    const std::vector<Case> cases = !gallery.empty() ? gallery_cases(gallery)
+                                    : head_dims      ? head_dim_cases()
+                                                     : all_cases(backward);
+    for (const Case& c : cases) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
-      const int64_t B = kTokens / c.s, H = kHidden / c.d, n = B * H * c.s * c.d;
+      const int64_t B = kTokens / c.s, H = c.h ? c.h : kHidden / c.d, n = B * H * c.s * c.d;
       const Variant& base = c.variant;
       // q, k, v, and dout for the backward; then out, dq, dk, dv.
       std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());

@@ -12,6 +12,9 @@ flexc / peer ratios per case (> 1: flexc faster).
     python3 tools/bench_peers.py --gallery tools/gallery.json \
         --flexc "build/bench_attention --gallery tools/gallery.json --json"
 
+With --head-dims, noop and causal at S = 4k / 16k and softcap at 16k for D = 96, 192, 256
+(H = 16; bench_attention --head-dims runs the same).
+
 With --backward, the backward pass alone is timed (torch.autograd.grad of a saved forward, with
 the flexc numbers from bench_attention --backward), FLOPs 2.5 times the forward's.
 
@@ -129,7 +132,14 @@ def time_ms(fn, reps):
     return times[len(times) // 2]
 
 
-def cases(backward, gallery):
+def cases(backward, gallery, head_dims=False):
+    if head_dims:
+        for d in (96, 192, 256):
+            for s in (4096, 16384):
+                for name in ("noop", "causal"):
+                    yield name, s, d
+            yield "softcap", 16384, d
+        return
     if gallery:
         for entry in gallery:
             for d in (64, 128):
@@ -156,7 +166,7 @@ def timed(fn, backward, inputs, reps):
     return time_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), reps)
 
 
-def run_peers(reps, only, backward, gallery):
+def run_peers(reps, only, backward, gallery, head_dims):
     device = "cuda"
     # One compiled kernel per shape and variant: let dynamo keep them all.
     torch._dynamo.config.cache_size_limit = 256
@@ -164,10 +174,10 @@ def run_peers(reps, only, backward, gallery):
     flex = torch.compile(flex_attention, dynamic=False)
     results = {}
     entries = {e["name"]: e for e in gallery or []}
-    for name, s, d in cases(backward, gallery):
+    for name, s, d in cases(backward, gallery, head_dims):
         if only and name not in only:
             continue
-        b, h = TOKENS // s, HIDDEN // d
+        b, h = TOKENS // s, 16 if head_dims else HIDDEN // d
         q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16,
                                requires_grad=backward) for _ in range(3))
         score_mod, mask_mod, learnable = (gallery_case(entries[name], b, h, s, device)
@@ -216,10 +226,12 @@ def main():
     ap.add_argument("--only", nargs="*", help="case names to run (default: all)")
     ap.add_argument("--backward", action="store_true", help="time the backward pass")
     ap.add_argument("--gallery", help="run this gallery's variants (tools/gallery.json) instead")
+    ap.add_argument("--head-dims", action="store_true",
+                    help="run noop, causal and softcap at D = 96, 192, 256 (H = 16) instead")
     args = ap.parse_args()
     gallery = json.load(open(args.gallery))["variants"] if args.gallery else None
     ours = run_flexc(args.flexc) if args.flexc else {}
-    peers = run_peers(args.reps, args.only, args.backward, gallery)
+    peers = run_peers(args.reps, args.only, args.backward, gallery, args.head_dims)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     hdr = f"{'case':15s} {'kernel':8s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} " \
           f"{'cuDNN':>6s} {'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"

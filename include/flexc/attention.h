@@ -23,8 +23,9 @@ struct CUstream_st;
 namespace flexc {
 
 // Which forward kernel runs (docs/attention.md). Auto: the Hopper kernel (wgmma) on a GPU of
-// compute capability 9.0 for head dims 64 and 128 with BlockMask tiles that are multiples of
-// 128 x 128 (the default), the portable kernel (mma.sync, sm_80+) otherwise. Portable and Hopper
+// compute capability 9.0 for head dims 64, 96, 128, 192 and 256 with BlockMask tiles that are
+// multiples of the kernel's (128 x 128; 128 x 64 above D 128; the default 128 x 128 fits both),
+// the portable kernel (mma.sync, sm_80+) otherwise. Portable and Hopper
 // force one; forcing the Hopper kernel where it cannot run is an error.
 enum class FwdKernel { Auto, Portable, Hopper };
 // "auto", "portable", "hopper" (the command-line spellings).
