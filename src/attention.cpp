@@ -31,23 +31,25 @@ namespace flexc {
 
 namespace detail {
 
-TileConfig fwd_config(int head_dim) {
+TileConfig fwd_config(int head_dim, int v_head_dim) {
   // 4 warps of 32 query rows each where the registers allow (K / V fragments serve two row
   // tiles); 16 rows per warp for D = 96, 192 and 256, whose accumulators need the registers. Two
   // stages: K / V of the next tile load while this one is computed. Measured in docs/perf.md.
+  // Tiles for the wider of the two head dims (D for q and k, Dv for v and the output).
+  for (int d : {head_dim, v_head_dim})
+    if (d != 32 && d != 64 && d != 96 && d != 128 && d != 192 && d != 256)
+      throw Error(fmt::format("head dim {} is not supported (32, 64, 96, 128, 192 or 256)", d));
+  const int d_max = std::max(head_dim, v_head_dim);
   TileConfig c{};
-  switch (head_dim) {
-    case 32:
-    case 64:
-    case 128: c = {128, 64, 128, 2, 0}; break;
+  switch (d_max) {
     case 96: c = {64, 64, 128, 2, 0}; break;
     case 192:
     case 256: c = {64, 32, 128, 2, 0}; break;
-    default:
-      throw Error(
-          fmt::format("head dim {} is not supported (32, 64, 96, 128, 192 or 256)", head_dim));
+    default: c = {128, 64, 128, 2, 0}; break;  // 32, 64, 128
   }
-  c.smem_bytes = size_t(2) * head_dim * (c.block_m + 2 * c.stages * c.block_n);
+  // Q (or O's staging, the wider), then the stages of K and V.
+  c.smem_bytes =
+      size_t(2) * (size_t(d_max) * c.block_m + size_t(c.stages) * c.block_n * (head_dim + v_head_dim));
   return c;
 }
 
@@ -55,20 +57,28 @@ bool fwd_sm90_supports(int head_dim) {
   return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
 }
 
-TileConfig fwd_config_sm90(int head_dim) {
+TileConfig fwd_config_sm90(int head_dim, int v_head_dim) {
   // A producer warpgroup and two consumer warpgroups of 64 query rows, 128-wide kv tiles (the
   // default BlockMask tile), K and V in two stages each; then 9 mbarriers, and 1024 bytes to
   // align the tiles for wgmma's swizzle (docs/perf.md). Above D 128, 64-wide kv tiles: a
   // consumer's O takes 96 or 128 of its 240 registers, and Q with two stages of K and V must fit
   // 227 KiB. D 96 is stored as two whole 64-column panels (TMA fills the last 32 with zeros).
-  if (!fwd_sm90_supports(head_dim))
-    throw Error(
-        fmt::format("the Hopper kernel has no head dim {} (64, 96, 128, 192 or 256)", head_dim));
+  // Head dims: q's and k's `head_dim`, v's and the output's `v_head_dim`.
+  for (int d : {head_dim, v_head_dim})
+    if (!fwd_sm90_supports(d))
+      throw Error(fmt::format("the Hopper kernel has no head dim {} (64, 96, 128, 192 or 256)", d));
   // Threads: a producer warpgroup and one consumer warpgroup per 64 rows (the kernel asserts it).
-  TileConfig c{128, head_dim > 128 ? 64 : 128, 128 * (1 + 128 / 64), 2, 0};
-  const size_t panels_d = size_t(head_dim + 63) / 64 * 64;
-  c.smem_bytes = size_t(2) * panels_d * (c.block_m + 2 * c.stages * c.block_n) +
-                 8 * (1 + 4 * c.stages) + 1024;
+  TileConfig c{128, 128, 128 * (1 + 128 / 64), 2, 0};
+  const auto panels = [](int d) { return size_t(d + 63) / 64 * 64; };  // whole swizzle panels
+  const auto smem = [&](int block_n) {
+    return size_t(2) * (std::max(panels(head_dim), panels(v_head_dim)) * c.block_m +
+                        size_t(c.stages) * block_n * (panels(head_dim) + panels(v_head_dim))) +
+           8 * (1 + 4 * c.stages) + 1024;
+  };
+  // 128-wide kv tiles where O leaves the registers for them (Dv <= 128) and K and V fit twice
+  // (MLA's D 192 / Dv 128 does: 209 KiB); 64 otherwise.
+  if (v_head_dim > 128 || smem(128) > 227 * 1024) c.block_n = 64;
+  c.smem_bytes = smem(c.block_n);
   return c;
 }
 
@@ -113,12 +123,12 @@ FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
   return out;
 }
 
-std::string hopper_misfit(std::string_view kernel, TileConfig (*config)(int), int D,
+std::string hopper_misfit(std::string_view kernel, const std::function<TileConfig()>& config,
                           const BlockMask* bm,
                           std::initializer_list<std::pair<const char*, const TensorView*>> tensors) {
   TileConfig c;
   try {
-    c = config(D);
+    c = config();
   } catch (const Error& e) {  // no configuration for this head dim: the message says which
     return e.what();
   }
@@ -148,12 +158,15 @@ void check_sm90_arch(std::string_view kernel, const KernelConfig& cfg) {
     throw Error(fmt::format("{} is built for sm_90a (wgmma); not for '{}'", kernel, cfg.arch));
 }
 
+int v_head_dim(const KernelConfig& cfg) { return cfg.v_head_dim ? cfg.v_head_dim : cfg.head_dim; }
+
 KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
-  const detail::TileConfig c = detail::fwd_config(cfg.head_dim);
+  const detail::TileConfig c = detail::fwd_config(cfg.head_dim, v_head_dim(cfg));
   check_dtype("attention_fwd", cfg);
   return {"attention_fwd.cuh",
           "flexc_attention_fwd",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+           {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
            {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
@@ -163,12 +176,13 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
 }
 
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
-  const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim);
+  const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg));
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
   return {"attention_fwd_sm90.cuh",
           "flexc_attention_fwd_sm90",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+           {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
            {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
@@ -213,26 +227,31 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   detail::check_qkv(kWhat, "v", v, dtype);
   detail::check_qkv(kWhat, "out", out, dtype);
   const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
-  const int64_t Hkv = k.shape[1], kv_len = k.shape[2];
+  const int64_t Hkv = k.shape[1], kv_len = k.shape[2], Dv = v.shape[3];
   if (k.shape[0] != B || k.shape[3] != D)
     fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
                      k.describe()));
-  if (v.shape != k.shape) fail(fmt::format("v must have k's shape; k {}, v {}", k.describe(), v.describe()));
-  if (out.shape != q.shape)
-    fail(fmt::format("out must have q's shape; q {}, out {}", q.describe(), out.describe()));
+  if (v.shape[0] != B || v.shape[1] != Hkv || v.shape[2] != kv_len)
+    fail(fmt::format("v must be [B, Hkv, KV_LEN, Dv] = [{}, {}, {}, *] like k; got {}", B, Hkv,
+                     kv_len, v.describe()));
+  if (out.shape != std::vector<int64_t>{B, Hq, q_len, Dv})
+    fail(fmt::format("out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}] (q's, with v's head dim); "
+                     "got {}",
+                     B, Hq, q_len, Dv, out.describe()));
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
     fail(fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
   if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
   if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
     fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
   // Checked on the int64: the cast for fwd_config would wrap 2^32 + 128 to 128.
-  if (D != 32 && D != 64 && D != 96 && D != 128 && D != 192 && D != 256)
-    fail(fmt::format("q: head dim {} is not supported (32, 64, 96, 128, 192 or 256)", D));
-  const detail::TileConfig portable = detail::fwd_config(static_cast<int>(D));
+  for (auto [name, d] : {std::pair{"q", D}, {"v", Dv}})
+    if (d != 32 && d != 64 && d != 96 && d != 128 && d != 192 && d != 256)
+      fail(fmt::format("{}: head dim {} is not supported (32, 64, 96, 128, 192 or 256)", name, d));
+  const detail::TileConfig portable = detail::fwd_config(int(D), int(Dv));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
-  const std::string hopper_misfit =
-      detail::hopper_misfit("Hopper kernel", &detail::fwd_config_sm90, int(D), opts.block_mask,
-                            {{"q", &q}, {"k", &k}, {"v", &v}});
+  const std::string hopper_misfit = detail::hopper_misfit(
+      "Hopper kernel", [&] { return detail::fwd_config_sm90(int(D), int(Dv)); }, opts.block_mask,
+      {{"q", &q}, {"k", &k}, {"v", &v}});
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
@@ -273,12 +292,12 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // The Hopper kernel where it runs and has the head dim (and the BlockMask's tiles split into
   // its 128 x 128 ones, which the default tiles do); the portable one elsewhere.
   const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
-  const detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D)) : portable;
+  const detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D), int(Dv)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
 
-  const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
+  const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
   const jit::Kernel& kernel = jit::get_kernel(
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
   FlexcAttentionParams p{};

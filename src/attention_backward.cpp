@@ -61,9 +61,17 @@ namespace jit {
 
 namespace {
 
+void check_one_head_dim(std::string_view kernel, const KernelConfig& cfg) {
+  if (cfg.v_head_dim != 0 && cfg.v_head_dim != cfg.head_dim)
+    throw Error(fmt::format("{}: v head dim {} differs from the head dim {} (the backward kernels "
+                            "need them equal)",
+                            kernel, cfg.v_head_dim, cfg.head_dim));
+}
+
 KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config(cfg.head_dim);
   check_dtype("attention_bwd", cfg);
+  check_one_head_dim("attention_bwd", cfg);
   return {"attention_bwd.cuh",
           "flexc_attention_bwd",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -79,6 +87,7 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config_sm90(cfg.head_dim);
   check_dtype("attention_bwd_sm90", cfg);
   check_sm90_arch("attention_bwd_sm90", cfg);
+  check_one_head_dim("attention_bwd_sm90", cfg);
   return {"attention_bwd_sm90.cuh",
           "flexc_attention_bwd_sm90",
           {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -152,6 +161,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (k.shape[0] != B || k.shape[3] != D)
     fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
                      k.describe()));
+  if (v.shape[3] != D)
+    fail(fmt::format("v's head dim {} differs from q's and k's {}: the backward kernels need them "
+                     "equal (the forward takes any pair)",
+                     v.shape[3], D));
   for (auto [name, t] : {std::pair{"v", &v}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}})
     if (t->shape != k.shape)
       fail(fmt::format("{} must have k's shape; k {}, {} {}", name, k.describe(), name,
@@ -190,7 +203,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                              cfg.block_n);
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
   const std::string hopper_misfit =
-      detail::hopper_misfit("Hopper backward kernel", &detail::bwd_config_sm90, int(D),
+      detail::hopper_misfit("Hopper backward kernel", [&] { return detail::bwd_config_sm90(int(D)); },
                             opts.block_mask, {{"q", &q}, {"dout", &dout}, {"k", &k}, {"v", &v}});
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
 

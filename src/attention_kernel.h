@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -23,10 +24,11 @@ struct TileConfig {
   size_t smem_bytes = 0;  // dynamic shared memory per CTA
 };
 
-// The portable kernel's configuration. Throws flexc::Error for a head dim it does not support.
-TileConfig fwd_config(int head_dim);
+// The portable kernel's configuration for q / k head dim `head_dim` and v / output head dim
+// `v_head_dim`. Throws flexc::Error for a head dim it does not support.
+TileConfig fwd_config(int head_dim, int v_head_dim);
 // The Hopper kernel's; throws flexc::Error for a head dim it does not support.
-TileConfig fwd_config_sm90(int head_dim);
+TileConfig fwd_config_sm90(int head_dim, int v_head_dim);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 
@@ -46,9 +48,9 @@ bool tma_fits(const TensorView& t);
 // columns (one 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
 FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows);
 // Why a Hopper kernel (`kernel`: "Hopper kernel", "Hopper backward kernel"; `config` its
-// configuration per head dim, throwing for a head dim it lacks) cannot take a call of head dim D
+// configuration for the call's head dims, throwing for a head dim it lacks) cannot take a call
 // with these TMA-loaded tensors and BlockMask; empty when it can.
-std::string hopper_misfit(std::string_view kernel, TileConfig (*config)(int), int D,
+std::string hopper_misfit(std::string_view kernel, const std::function<TileConfig()>& config,
                           const BlockMask* bm,
                           std::initializer_list<std::pair<const char*, const TensorView*>> tensors);
 

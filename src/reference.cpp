@@ -24,17 +24,17 @@ namespace detail {
 ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceProblem& p,
                                        const std::string& what) {
   const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, Lkv = p.kv_len,
-                D = p.head_dim;
-  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || Lq < 0 || Lkv < 0 || D < 1)
-    throw Error(fmt::format("{}: bad sizes B {}, Hq {}, Hkv {}, Q_LEN {}, KV_LEN {}, D {}", what,
-                            B, Hq, Hkv, Lq, Lkv, D));
+                D = p.head_dim, Dv = p.v_head_dim ? p.v_head_dim : D;
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0 || Lq < 0 || Lkv < 0 || D < 1 || Dv < 1)
+    throw Error(fmt::format("{}: bad sizes B {}, Hq {}, Hkv {}, Q_LEN {}, KV_LEN {}, D {}, Dv {}",
+                            what, B, Hq, Hkv, Lq, Lkv, D, Dv));
   auto check_size = [&](const char* name, size_t got, int64_t want) {
     if (static_cast<int64_t>(got) != want)
       throw Error(fmt::format("{}: {} has {} values; its shape needs {}", what, name, got, want));
   };
   check_size("q", p.q.size(), B * Hq * Lq * D);
   check_size("k", p.k.size(), B * Hkv * Lkv * D);
-  check_size("v", p.v.size(), B * Hkv * Lkv * D);
+  check_size("v", p.v.size(), B * Hkv * Lkv * Dv);
   if (p.dtype != DType::BF16 && p.dtype != DType::F16)
     throw Error(fmt::format("{}: dtype must be bf16 or fp16, not {}", what, dtype_name(p.dtype)));
   ReferenceInputs in;
@@ -56,7 +56,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
   const detail::VariantImpl& impl = detail::impl_of(v);
   const std::string what = fmt::format("reference attention for '{}'", impl.name);
   const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, Lkv = p.kv_len,
-                D = p.head_dim;
+                D = p.head_dim, Dv = p.v_head_dim ? p.v_head_dim : D;
   const detail::ReferenceInputs in = detail::check_reference_inputs(impl, p, what);
   const double scale = in.scale;
   const std::vector<double>& params = in.params;
@@ -72,7 +72,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
     if (row < 0 || row >= B * Hq * Lq)
       throw Error(fmt::format("{}: row {} is out of range [0, {})", what, row, B * Hq * Lq));
   const int64_t n = static_cast<int64_t>(r.rows.size());
-  r.gold_out.assign(n * D, 0), r.ref_out.assign(n * D, 0);
+  r.gold_out.assign(n * Dv, 0), r.ref_out.assign(n * Dv, 0);
   r.gold_lse.assign(n, -kInf), r.ref_lse.assign(n, -kInf);
 
   const dsl::Graph& score = impl.score.graph;
@@ -80,7 +80,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
   const bool identity = dsl::is_identity_score(score, score.root);
   const bool all_true = dsl::is_all_true_mask(mask, mask.root);
   detail::parallel_chunks(n, 8, [&](int64_t begin, int64_t end) {
-    std::vector<double> s(Lkv), s32(Lkv), gold(D), ref(D);
+    std::vector<double> s(Lkv), s32(Lkv), gold(Dv), ref(Dv);
     std::vector<dsl::Value> scratch;
     dsl::EvalEnv env;
     env.params = params;
@@ -123,12 +123,12 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
         const double pg = std::exp(s[j] - mx), pr = std::exp(s32[j] - mx32);
         const double pr16 = detail::round_to(p.dtype, pr);
         l += pg, l32 += pr;
-        const float* vv = p.v.data() + ((b * Hkv + hk) * Lkv + j) * D;
-        for (int64_t d = 0; d < D; ++d) gold[d] += pg * vv[d], ref[d] += pr16 * vv[d];
+        const float* vv = p.v.data() + ((b * Hkv + hk) * Lkv + j) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) gold[d] += pg * vv[d], ref[d] += pr16 * vv[d];
       }
-      for (int64_t d = 0; d < D; ++d) {
-        r.gold_out[i * D + d] = gold[d] / l;
-        r.ref_out[i * D + d] = detail::round_to(p.dtype, ref[d] / l32);
+      for (int64_t d = 0; d < Dv; ++d) {
+        r.gold_out[i * Dv + d] = gold[d] / l;
+        r.ref_out[i * Dv + d] = detail::round_to(p.dtype, ref[d] / l32);
       }
       r.gold_lse[i] = mx + std::log(l);
       r.ref_lse[i] = static_cast<float>(mx32 + std::log(l32));

@@ -60,6 +60,9 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
   const detail::VariantImpl& impl = detail::impl_of(variant);
   const ReferenceProblem& p = bp.forward;
   const std::string what = fmt::format("reference backward for '{}'", impl.name);
+  if (p.v_head_dim != 0 && p.v_head_dim != p.head_dim)
+    throw Error(fmt::format("{}: v_head_dim {} differs from head_dim {} (the backward takes one)",
+                            what, p.v_head_dim, p.head_dim));
   const detail::ReferenceInputs in = detail::check_reference_inputs(impl, p, what);
   const int64_t B = p.batch, Hq = p.q_heads, Hkv = p.kv_heads, Lq = p.q_len, Lkv = p.kv_len,
                 D = p.head_dim, rows = B * Hq * Lq, group = Hq / Hkv;

@@ -10,7 +10,8 @@
 // a BlockMask (bm.kv_num == nullptr) every kv tile is visited, partial unless the mask is the
 // constant true. Elements past kv_len are always masked.
 //
-// Compile-time configuration (KernelSpec defines): FLEXC_HEAD_DIM, FLEXC_BF16 (1: bf16, 0: fp16),
+// Compile-time configuration (KernelSpec defines): FLEXC_HEAD_DIM (q and k), FLEXC_HEAD_DIM_V (v
+// and the output; FlexAttention's Ev, e.g. 128 against 192), FLEXC_BF16 (1: bf16, 0: fp16),
 // FLEXC_BLOCK_M, FLEXC_BLOCK_N, FLEXC_WARPS, FLEXC_STAGES. No length is baked in: lengths,
 // strides, scale and params are kernel arguments, so they change without recompiling.
 #include "attention_tile.cuh"
@@ -22,7 +23,8 @@ namespace flexc_fwd {
 using namespace flexc_tile;
 using flexc_attn::at;
 
-constexpr int kD = FLEXC_HEAD_DIM;
+constexpr int kD = FLEXC_HEAD_DIM;     // q and k
+constexpr int kDv = FLEXC_HEAD_DIM_V;  // v and the output
 constexpr bool kBf16 = FLEXC_BF16 != 0;
 constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
@@ -32,20 +34,25 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kWarpRows = kBlockM / kWarps;
 constexpr int kMT = kWarpRows / 16;  // 16-row tiles per warp
 constexpr int kNT = kBlockN / 8;     // n8 column tiles of S per warp
-constexpr int kDT = kD / 8;          // n8 column tiles of O per warp
+constexpr int kDT = kDv / 8;         // n8 column tiles of O per warp
 // A warp's Q fragments stay in registers when they fit in 32 (saves their shared-memory reads
 // every tile); otherwise they are re-read from the Q tile, as the accumulators need the rest.
 constexpr bool kQInRegs = kMT * (kD / 16) * 4 <= 32;
 
-static_assert(kD % 32 == 0 && kD <= 256, "head dim must be a multiple of 32, at most 256");
+static_assert(kD % 32 == 0 && kD <= 256 && kDv % 32 == 0 && kDv <= 256,
+              "head dims must be multiples of 32, at most 256");
 static_assert(kWarpRows % 16 == 0 && kWarpRows * kWarps == kBlockM, "rows per warp: 16k");
 static_assert(kBlockN % 16 == 0, "kv tile must be a multiple of 16");
 static_assert(kStages >= 2, "the pipeline keeps one tile in flight");
 
 using QTile = SmemTile<kBlockM, kD>;
-using KvTile = SmemTile<kBlockN, kD>;
-// Shared memory: Q, then kStages x (K, V). The host computes the same size for the launch.
-constexpr int kSmemBytes = QTile::kBytes + kStages * 2 * KvTile::kBytes;
+using KTile = SmemTile<kBlockN, kD>;
+using VTile = SmemTile<kBlockN, kDv>;
+using OTile = SmemTile<kBlockM, kDv>;  // the epilogue's staging, over Q
+// Shared memory: Q (or O, the larger), then kStages x (K, V). The host computes the same size.
+constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
+constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
+constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
 
 using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
 using Scores = flexc_attn::ScoreTile<kMT, kNT>;
@@ -58,9 +65,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   using namespace flexc_fwd;
   extern __shared__ __align__(128) unsigned char smem[];
   const unsigned q_tile = smem_addr(smem);
-  const unsigned kv_tiles = q_tile + QTile::kBytes;
-  auto k_tile = [&](int stage) { return kv_tiles + stage * 2 * KvTile::kBytes; };
-  auto v_tile = [&](int stage) { return k_tile(stage) + KvTile::kBytes; };
+  const unsigned kv_tiles = q_tile + kQBytes;
+  auto k_tile = [&](int stage) { return kv_tiles + stage * kStageBytes; };
+  auto v_tile = [&](int stage) { return k_tile(stage) + KTile::kBytes; };
 
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles.
   const int m_block = gridDim.x - 1 - blockIdx.x;
@@ -76,12 +83,14 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   const KvSchedule sched(bm, b, h, q0, p.kv_len);
   KvSchedule::Cursor fetch, cur;  // the tile to prefetch next, the tile to compute next
 
-  const TileCopy<KvTile, kThreads> copy_kv;
+  // (One set of positions when D == Dv: the two copies compute the same ones.)
+  const TileCopy<KTile, kThreads> copy_k;
+  const TileCopy<VTile, kThreads> copy_v;
   auto load_kv = [&](int i) {
     if (i < sched.count) {
       const int kv0 = sched.start(fetch), stage = i % kStages;
-      copy_kv(k_tile(stage), k, p.k_stride[2], kv0, p.kv_len);
-      copy_kv(v_tile(stage), v, p.v_stride[2], kv0, p.kv_len);
+      copy_k(k_tile(stage), k, p.k_stride[2], kv0, p.kv_len);
+      copy_v(v_tile(stage), v, p.v_stride[2], kv0, p.kv_len);
       sched.advance(fetch);
     }
     cp_async_commit();  // empty groups too: keeps the wait counts uniform
@@ -97,8 +106,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   OnlineSoftmax<kMT, kNT> softmax;
   softmax.init();
   const auto frag_q = FragAddr<QTile>::a();
-  const auto frag_k = FragAddr<KvTile>::b_nk();
-  const auto frag_v = FragAddr<KvTile>::b_kn();
+  const auto frag_k = FragAddr<KTile>::b_nk();
+  const auto frag_v = FragAddr<VTile>::b_kn();
   unsigned q_frag[kQInRegs ? kMT : 1][kQInRegs ? kD / 16 : 1][4];
   if constexpr (kQInRegs) {
     cp_async_wait<kStages - 1>();  // the Q group
@@ -161,5 +170,5 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   // any more) for coalesced stores.
   float inv_sum[kMT][2], lse[kMT][2];
   softmax.finish(flexc_attn::units_log2(p), flexc_attn::units_ln(p), inv_sum, lse);
-  flexc_attn::store_rows<QTile, kBf16>(acc, inv_sum, lse, smem, warp * kWarpRows, p, b, h, row0);
+  flexc_attn::store_rows<OTile, kBf16>(acc, inv_sum, lse, smem, warp * kWarpRows, p, b, h, row0);
 }

@@ -13,9 +13,10 @@
 //   leaves registers: wgmma takes A from registers in the layout the softmax leaves it in.
 //
 // Compile-time configuration (from src/attention.cpp's fwd_config_sm90, which sizes the launch):
-// FLEXC_HEAD_DIM (64, 96, 128, 192 or 256), FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64
-// rows), FLEXC_BLOCK_N (128; 64 for head dims above 128, whose O accumulators take 96 or 128
-// registers of a consumer thread's 240), FLEXC_STAGES (2).
+// FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
+// FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows), FLEXC_BLOCK_N (128; 64 when a head
+// dim is above 128: O takes 96 or 128 registers of a consumer thread's 240, and shared memory
+// must hold Q and two stages of K and V), FLEXC_STAGES (2).
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"
@@ -24,17 +25,18 @@ namespace flexc_fwd90 {
 
 using namespace flexc_tile;
 
-constexpr int kD = FLEXC_HEAD_DIM;
+constexpr int kD = FLEXC_HEAD_DIM;     // q and k
+constexpr int kDv = FLEXC_HEAD_DIM_V;  // v and the output
 constexpr bool kBf16 = FLEXC_BF16 != 0;
 constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr int kThreads = 384;  // producer + two consumers; the host launches 128 * (1 + kBlockM / 64)
 constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
-constexpr int kDT = kD / 8;       // n8 column tiles of O per warp
+constexpr int kDT = kDv / 8;      // n8 column tiles of O per warp
 
-static_assert(kD == 64 || kD == 96 || kD == 128 || kD == 192 || kD == 256,
-              "head dim 64, 96, 128, 192 or 256");
+constexpr bool head_dim_ok(int d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
+static_assert(head_dim_ok(kD) && head_dim_ok(kDv), "head dims 64, 96, 128, 192 or 256");
 static_assert(kBlockM == 128 && (kBlockN == 128 || kBlockN == 64) && kStages >= 2,
               "the configurations built and tested");
 // setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
@@ -45,12 +47,15 @@ static_assert(128 * (kLaunchRegs - kProducerRegs) >= 256 * (kConsumerRegs - kLau
               "register reallocation must balance");
 
 using QTile = Sw128Tile<kBlockM, kD>;
-using KvTile = Sw128Tile<kBlockN, kD>;
-// Shared memory: Q, K[kStages], V[kStages] (each 1024-byte aligned: the sizes are multiples of
-// 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the last 32), then the
-// mbarriers. The host adds 1024 bytes for aligning the dynamic base.
+using KTile = Sw128Tile<kBlockN, kD>;
+using VTile = Sw128Tile<kBlockN, kDv>;
+using OTile = Sw128Tile<kBlockM, kDv>;  // the epilogue's staging, over Q
+// Shared memory: Q (or O's staging, the larger), K[kStages], V[kStages] (each 1024-byte aligned:
+// the sizes are multiples of 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the
+// last 32), then the mbarriers. The host adds 1024 bytes for aligning the dynamic base.
 constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
-constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KvTile::kBytes + 8 * kBarriers;
+constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
+constexpr int kSmemBytes = kQBytes + kStages * (KTile::kBytes + VTile::kBytes) + 8 * kBarriers;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
 // Named barriers: 0 is __syncthreads; ping-pong turns of consumers 0 / 1; per-consumer epilogue.
 constexpr int kTurnBarrier = 1, kEpilogueBarrier = 3;
@@ -60,8 +65,8 @@ using Scores = flexc_attn::ScoreTile<1, kNT>;
 
 struct Smem {
   unsigned q, k, v, bars;  // shared-memory addresses
-  __device__ __forceinline__ unsigned k_tile(int s) const { return k + s * KvTile::kBytes; }
-  __device__ __forceinline__ unsigned v_tile(int s) const { return v + s * KvTile::kBytes; }
+  __device__ __forceinline__ unsigned k_tile(int s) const { return k + s * KTile::kBytes; }
+  __device__ __forceinline__ unsigned v_tile(int s) const { return v + s * VTile::kBytes; }
   __device__ __forceinline__ unsigned q_full() const { return bars; }
   __device__ __forceinline__ unsigned k_full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ unsigned v_full(int s) const { return bars + 8 * (1 + kStages + s); }
@@ -82,10 +87,10 @@ __device__ __forceinline__ void load_tile(unsigned dst, const FlexcTensorMap& ma
 // S = Q.K^T for the warpgroup's 64 rows (`q_rows` is its first row in the Q tile).
 __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, int q_rows,
                                          unsigned k_tile) {
-  wgmma_ss<kBf16, 0>(s, QTile::k_major(q_tile, q_rows, 0), KvTile::k_major(k_tile, 0, 0));
+  wgmma_ss<kBf16, 0>(s, QTile::k_major(q_tile, q_rows, 0), KTile::k_major(k_tile, 0, 0));
 #pragma unroll
   for (int kk = 16; kk < kD; kk += 16) {
-    wgmma_ss<kBf16, 1>(s, QTile::k_major(q_tile, q_rows, kk), KvTile::k_major(k_tile, 0, kk));
+    wgmma_ss<kBf16, 1>(s, QTile::k_major(q_tile, q_rows, kk), KTile::k_major(k_tile, 0, kk));
   }
   wgmma_commit();
 }
@@ -94,7 +99,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, in
 __device__ __forceinline__ void issue_pv(float (&o)[kDT][4], const unsigned (&pa)[kNT / 2][4],
                                          unsigned v_tile) {
 #pragma unroll
-  for (int kk = 0; kk < kNT / 2; ++kk) wgmma_rs_cols<KvTile, kBf16>(o, pa[kk], v_tile, kk * 16);
+  for (int kk = 0; kk < kNT / 2; ++kk) wgmma_rs_cols<VTile, kBf16>(o, pa[kk], v_tile, kk * 16);
   wgmma_commit();
 }
 
@@ -117,9 +122,9 @@ __device__ __forceinline__ void produce(const Smem& sm, const FlexcTensorMap& tq
     const int kv0 = sched.start(cur);
     sched.advance(cur);
     mbar_wait(sm.k_empty(s), empty_parity);
-    load_tile<KvTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
+    load_tile<KTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
     mbar_wait(sm.v_empty(s), empty_parity);
-    load_tile<KvTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
+    load_tile<VTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
   }
 }
 
@@ -136,9 +141,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   const unsigned raw = smem_addr(smem_raw);
   Smem sm;
   sm.q = (raw + 1023) & ~1023u;
-  sm.k = sm.q + QTile::kBytes;
-  sm.v = sm.k + kStages * KvTile::kBytes;
-  sm.bars = sm.v + kStages * KvTile::kBytes;
+  sm.k = sm.q + kQBytes;
+  sm.v = sm.k + kStages * KTile::kBytes;
+  sm.bars = sm.v + kStages * VTile::kBytes;
   unsigned char* q_smem = smem_raw + (sm.q - raw);
 
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles.
@@ -255,5 +260,5 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 
   float inv_sum[1][2], lse[1][2];
   softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
-  flexc_attn::store_rows<QTile, kBf16>(o, inv_sum, lse, q_smem, warp * 16, p, b, h, row0);
+  flexc_attn::store_rows<OTile, kBf16>(o, inv_sum, lse, q_smem, warp * 16, p, b, h, row0);
 }

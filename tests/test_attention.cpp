@@ -45,20 +45,23 @@ using flexc::testing::round16;
 
 // A problem on the host: q [B, Hq, Lq, D], k / v [B, Hkv, Lkv, D] with values exact in `dtype`.
 struct Problem {
-  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64;
+  int64_t B = 1, Hq = 1, Hkv = 1, Lq = 1, Lkv = 1, D = 64, Dv = 64;
   DType dtype = DType::BF16;
   std::vector<float> q, k, v;
 
-  Problem(int64_t b, int64_t hq, int64_t hkv, int64_t lq, int64_t lkv, int64_t d, DType t)
-      : B(b), Hq(hq), Hkv(hkv), Lq(lq), Lkv(lkv), D(d), dtype(t) {
+  // dv: v's head dim; 0 for d.
+  Problem(int64_t b, int64_t hq, int64_t hkv, int64_t lq, int64_t lkv, int64_t d, DType t,
+          int64_t dv = 0)
+      : B(b), Hq(hq), Hkv(hkv), Lq(lq), Lkv(lkv), D(d), Dv(dv ? dv : d), dtype(t) {
     q = normal(B * Hq * Lq * D, t);
     k = normal(B * Hkv * Lkv * D, t);
-    v = normal(B * Hkv * Lkv * D, t);
+    v = normal(B * Hkv * Lkv * Dv, t);
   }
   ReferenceProblem reference() const {
     ReferenceProblem p;
     p.q = q, p.k = k, p.v = v;
     p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = Lq, p.kv_len = Lkv, p.head_dim = D;
+    p.v_head_dim = Dv;
     p.dtype = dtype;
     return p;
   }
@@ -69,7 +72,7 @@ struct Problem {
 template <class ScoreFn>
 void direct_attention(const Problem& p, double scale, ScoreFn score_fn, std::vector<double>& out,
                       std::vector<double>& lse) {
-  out.assign(p.B * p.Hq * p.Lq * p.D, 0);
+  out.assign(p.B * p.Hq * p.Lq * p.Dv, 0);
   lse.assign(p.B * p.Hq * p.Lq, -kInf);
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t h = 0; h < p.Hq; ++h)
@@ -89,10 +92,10 @@ void direct_attention(const Problem& p, double scale, ScoreFn score_fn, std::vec
         for (int64_t j = 0; j < p.Lkv; ++j) {
           const double e = std::exp(s[j] - mx);
           l += e;
-          for (int64_t d = 0; d < p.D; ++d)
-            out[row * p.D + d] += e * p.v[((b * p.Hkv + hk) * p.Lkv + j) * p.D + d];
+          for (int64_t d = 0; d < p.Dv; ++d)
+            out[row * p.Dv + d] += e * p.v[((b * p.Hkv + hk) * p.Lkv + j) * p.Dv + d];
         }
-        for (int64_t d = 0; d < p.D; ++d) out[row * p.D + d] /= l;
+        for (int64_t d = 0; d < p.Dv; ++d) out[row * p.Dv + d] /= l;
         lse[row] = mx + std::log(l);
       }
 }
@@ -138,6 +141,20 @@ TEST_CASE("the reference is float64 attention: GQA, scale, alibi capture, runtim
   }, out, lse);
   CHECK(max_abs_diff(w.gold_out, out) < 1e-12);
   CHECK(max_abs_diff(w.gold_lse, lse) < 1e-12);
+
+  // v's head dim differs from q's and k's (FlexAttention's Ev != E): rows of Dv values.
+  const Problem mla(1, 4, 2, 19, 41, 96, DType::F16, 32);
+  const ReferenceResult m = reference_attention(Variant::from_catalogue("causal"), mla.reference());
+  CHECK(m.gold_out.size() == size_t(4 * 19 * 32));
+  direct_attention(mla, 1 / std::sqrt(96.0), [](double s, int64_t, int64_t, int64_t i, int64_t j) {
+    return i >= j ? s : -kInf;
+  }, out, lse);
+  CHECK(max_abs_diff(m.gold_out, out) < 1e-12);
+  CHECK(max_abs_diff(m.gold_lse, lse) < 1e-12);
+  ReferenceProblem short_v = mla.reference();
+  short_v.v_head_dim = 64;  // the values hold 32 per row
+  CHECK_THROWS_WITH(reference_attention(Variant::from_catalogue("causal"), short_v),
+                    Contains("v has 2624 values; its shape needs 5248"));
 }
 
 TEST_CASE("the reference gives rows without an unmasked element output 0 and LSE -inf",
@@ -403,7 +420,23 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(TensorView{mem.data() + 1, DType::BF16, {1, 4, 16, 64}, {}}, k, out),
              Contains("q: data must be 16-byte aligned"));
   CHECK_THAT(err(q, k, TensorView{out.data, out.dtype, {1, 4, 17, 64}, {}}),
-             Contains("out must have q's shape"));
+             Contains("out must be [B, Hq, Q_LEN, Dv] = [1, 4, 16, 64] (q's, with v's head dim)"));
+  // v's head dim may differ from q's (any supported pair); out takes v's.
+  std::vector<uint16_t> mv(1 << 16);
+  const auto err_v = [&](std::vector<int64_t> v_shape, std::vector<int64_t> out_shape) {
+    try {
+      attention(q, k, TensorView{mv.data() + 8, DType::BF16, std::move(v_shape), {}},
+                TensorView{mo.data() + 8, DType::BF16, std::move(out_shape), {}}, noop);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(err_v({1, 2, 32, 128}, {1, 4, 16, 64}),
+             Contains("out must be [B, Hq, Q_LEN, Dv] = [1, 4, 16, 128]"));
+  CHECK_THAT(err_v({1, 2, 32, 80}, {1, 4, 16, 80}), Contains("v: head dim 80 is not supported"));
+  CHECK_THAT(err_v({1, 2, 31, 64}, {1, 4, 16, 64}),
+             Contains("v must be [B, Hkv, KV_LEN, Dv] = [1, 2, 32, *] like k"));
   CHECK_THAT(err(q, k, TensorView{k.data, k.dtype, q.shape, {}}), Contains("out overlaps k"));
   // D is checked before the int cast that would make 2^32 + 128 look like 128.
   const int64_t wide = (int64_t(1) << 32) + 128;
@@ -488,7 +521,7 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
              Contains("the Hopper kernel has no head dim 32 (64, 96, 128, 192 or 256)"));
   // Above D 128 the Hopper kernel's kv tiles are 64 wide: a 128 x 64 BlockMask fits them.
   for (int d : {64, 96, 128, 192, 256}) {
-    const detail::TileConfig c = detail::fwd_config_sm90(d);
+    const detail::TileConfig c = detail::fwd_config_sm90(d, d);
     INFO("D " << d);
     CHECK(c.smem_bytes <= 227 * 1024);
     CHECK(c.block_n == (d > 128 ? 64 : 128));
@@ -505,7 +538,7 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
 TEST_CASE("the forward kernel has a configuration per head dim and compiles for each",
           "[attention]") {
   for (int d : {32, 64, 96, 128, 192, 256}) {
-    const detail::TileConfig c = detail::fwd_config(d);
+    const detail::TileConfig c = detail::fwd_config(d, d);
     INFO("D " << d);
     CHECK(c.block_m % (16 * (c.threads / 32)) == 0);
     CHECK(c.block_n % 16 == 0);
@@ -513,7 +546,21 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
     CHECK(128 % c.block_m == 0);        // the default BlockMask tile splits into kernel tiles
     CHECK(128 % c.block_n == 0);
   }
-  CHECK_THROWS_WITH(detail::fwd_config(80), Contains("head dim 80 is not supported"));
+  CHECK_THROWS_WITH(detail::fwd_config(80, 80), Contains("head dim 80 is not supported"));
+  CHECK_THROWS_WITH(detail::fwd_config(64, 80), Contains("head dim 80 is not supported"));
+  CHECK_THROWS_WITH(detail::fwd_config_sm90(192, 32),
+                    Contains("the Hopper kernel has no head dim 32"));
+  // Different q / k and v head dims: tiles for the wider, shared memory for both.
+  // 128-wide kv tiles while O (Dv) leaves the registers and K / V fit twice (MLA's 192 / 128).
+  for (auto [d, dv, block_n] : {std::tuple{192, 128, 128}, {128, 192, 64}, {64, 256, 64},
+                                {256, 64, 128}, {96, 64, 128}, {256, 128, 64}}) {
+    INFO("D " << d << " Dv " << dv);
+    const int wide = std::max(d, dv);
+    CHECK(detail::fwd_config(d, dv).block_m == detail::fwd_config(wide, wide).block_m);
+    CHECK(detail::fwd_config(d, dv).smem_bytes <= detail::fwd_config(wide, wide).smem_bytes);
+    CHECK(detail::fwd_config_sm90(d, dv).block_n == block_n);
+    CHECK(detail::fwd_config_sm90(d, dv).smem_bytes <= 227 * 1024);
+  }
   CHECK_THROWS_WITH(jit::attention_fwd_spec({"sm_90", "fp32", 64}), Contains("dtype 'fp32'"));
   // NVRTC, no GPU needed: every head dim and dtype for sm_80, with a variant that uses every hook.
   const Variant v = Variant::from_strings("score + 0.5 * bias[h % 2]", "q_idx >= kv_idx",
@@ -524,6 +571,10 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
       specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, d}));
     for (int d : {64, 96, 128, 192, 256})
       specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, d}));
+    // q / k and v head dims apart: MLA's 192 / 128, and v wider than q.
+    specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, 192, 128}));
+    specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 192, 128}));
+    specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 64, 256}));
   }
   const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
   for (size_t i = 0; i < out.size(); ++i) {
@@ -580,12 +631,13 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
     }
   }
-  // The other head dims (O takes 48 / 96 / 128 registers), with the costliest hooks.
+  // The other head dims (O takes 48 / 96 / 128 registers), with the costliest hooks, and MLA's
+  // q / k 192 with v 128 (128-wide kv tiles: S, P and O take 160 registers).
   for (const char* name : {"softcap", "t5_bias", "document", "neighborhood_2d"})
-    for (int d : {96, 192, 256}) {
+    for (auto [d, dv] : {std::pair{96, 96}, {192, 192}, {256, 256}, {192, 128}}) {
       const std::string log = ptxas_log(Variant::from_catalogue(name),
-                                        jit::attention_fwd_sm90_spec({"sm_90", "bf16", d}));
-      INFO(name << " D " << d << "\n" << log);
+                                        jit::attention_fwd_sm90_spec({"sm_90", "bf16", d, dv}));
+      INFO(name << " D " << d << " Dv " << dv << "\n" << log);
       CHECK(log.find("C751") == std::string::npos);
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
     }
@@ -648,36 +700,39 @@ struct GpuCase {
   // The BlockMask built on one stream (brute force on the GPU: slow) and attention launched at
   // once on another: the kernel must wait for the mask.
   bool two_streams = false;
+  int64_t Dv = 0;  // v's and the output's head dim; 0: D
 
+  int64_t dv() const { return Dv ? Dv : D; }
   std::string describe() const {
-    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}{}", dtype_name(dtype), B,
-                       Hq, Hkv, Lq, Lkv, D, bshd ? " bshd" : "", pad ? " padded" : "",
-                       block_mask ? "" : " dense", kernel == FwdKernel::Auto ? "" : " ",
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}{}{}", dtype_name(dtype),
+                       B, Hq, Hkv, Lq, Lkv, D, Dv ? fmt::format(" Dv {}", Dv) : "",
+                       bshd ? " bshd" : "", pad ? " padded" : "", block_mask ? "" : " dense",
+                       kernel == FwdKernel::Auto ? "" : " ",
                        kernel == FwdKernel::Auto ? "" : to_string(kernel));
   }
-  // Device strides of a [B, H, S, D] tensor.
-  std::vector<int64_t> strides(int64_t H, int64_t S) const {
-    if (bshd) return {S * (H * D + pad), D, H * D + pad, 1};
-    return {H * S * (D + pad), S * (D + pad), D + pad, 1};
+  // Device strides of a [B, H, S, d] tensor.
+  std::vector<int64_t> strides(int64_t H, int64_t S, int64_t d) const {
+    if (bshd) return {S * (H * d + pad), d, H * d + pad, 1};
+    return {H * S * (d + pad), S * (d + pad), d + pad, 1};
   }
 };
 
-// A [B, H, S, D] host tensor (BHSD order) as 16-bit device memory in the case's layout.
+// A [B, H, S, d] host tensor (BHSD order) as 16-bit device memory in the case's layout.
 flexc::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int64_t H, int64_t S,
-                            TensorView& view) {
-  const std::vector<int64_t> st = c.strides(H, S);
+                            int64_t d, TensorView& view) {
+  const std::vector<int64_t> st = c.strides(H, S, d);
   std::vector<uint16_t> bits(std::max<int64_t>(c.B * st[0], 8), 0xffff);  // NaN in the gaps
   for (int64_t b = 0; b < c.B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t s = 0; s < S; ++s)
-        for (int64_t d = 0; d < c.D; ++d) {
-          const float v = x[((b * H + h) * S + s) * c.D + d];
-          bits[b * st[0] + h * st[1] + s * st[2] + d] =
+        for (int64_t e = 0; e < d; ++e) {
+          const float v = x[((b * H + h) * S + s) * d + e];
+          bits[b * st[0] + h * st[1] + s * st[2] + e] =
               c.dtype == DType::BF16 ? float_to_bf16(v) : float_to_fp16(v);
         }
   flexc::DeviceBuffer buf(bits.size() * 2);
   buf.upload(bits.data(), bits.size() * 2);
-  view = TensorView{buf.get(), c.dtype, {c.B, H, S, c.D}, st};
+  view = TensorView{buf.get(), c.dtype, {c.B, H, S, d}, st};
   return buf;
 }
 
@@ -686,13 +741,14 @@ flexc::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int
 // `given`: these inputs instead of fresh random ones (to compare two runs on the same inputs).
 Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
                   const Problem* given = nullptr) {
-  const Problem p = given ? *given : Problem(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype);
+  const int64_t Dv = c.dv();
+  const Problem p = given ? *given : Problem(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype, Dv);
   TensorView q, k, vv, out;
-  const flexc::DeviceBuffer dq = to_device(c, p.q, c.Hq, c.Lq, q);
-  const flexc::DeviceBuffer dk = to_device(c, p.k, c.Hkv, c.Lkv, k);
-  const flexc::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, vv);
-  const std::vector<float> poison(c.B * c.Hq * c.Lq * c.D, std::numeric_limits<float>::quiet_NaN());
-  const flexc::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, out);
+  const flexc::DeviceBuffer dq = to_device(c, p.q, c.Hq, c.Lq, c.D, q);
+  const flexc::DeviceBuffer dk = to_device(c, p.k, c.Hkv, c.Lkv, c.D, k);
+  const flexc::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, Dv, vv);
+  const std::vector<float> poison(c.B * c.Hq * c.Lq * Dv, std::numeric_limits<float>::quiet_NaN());
+  const flexc::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, Dv, out);
   flexc::DeviceBuffer dlse(std::max<int64_t>(c.B * c.Hq * c.Lq * 4, 16));
   dlse.fill(0xff);
 
@@ -731,7 +787,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   attention(q, k, vv, out, v, opts);
   flexc::synchronize_device();
 
-  const std::vector<int64_t> st = c.strides(c.Hq, c.Lq);
+  const std::vector<int64_t> st = c.strides(c.Hq, c.Lq, Dv);
   const std::vector<uint16_t> bits = dout.to_vector<uint16_t>(dout.size() / 2);
   const std::vector<float> lse = dlse.to_vector<float>(c.B * c.Hq * c.Lq);
   const int64_t rows = c.B * c.Hq * c.Lq;
@@ -743,7 +799,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   std::vector<float> got, got_lse;
   for (int64_t row : r.rows) {
     const int64_t b = row / (c.Hq * c.Lq), h = row / c.Lq % c.Hq, s = row % c.Lq;
-    for (int64_t d = 0; d < c.D; ++d) {
+    for (int64_t d = 0; d < Dv; ++d) {
       const uint16_t x = bits[b * st[0] + h * st[1] + s * st[2] + d];
       got.push_back(c.dtype == DType::BF16 ? bf16_to_float(x) : fp16_to_float(x));
     }
@@ -758,10 +814,13 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
     return;                     \
   }
 
-// The forward kernels this GPU runs for head dim d: the portable one, and on sm_90 the Hopper one.
-std::vector<FwdKernel> kernels_for(int64_t d) {
+// The forward kernels this GPU runs for head dims d (and dv, v's; 0: d): the portable one, and
+// on sm_90 the Hopper one.
+std::vector<FwdKernel> kernels_for(int64_t d, int64_t dv = 0) {
   std::vector<FwdKernel> k{FwdKernel::Portable};
-  if (flexc::current_arch() == "sm_90" && detail::fwd_sm90_supports(int(d))) k.push_back(FwdKernel::Hopper);
+  if (flexc::current_arch() == "sm_90" && detail::fwd_sm90_supports(int(d)) &&
+      detail::fwd_sm90_supports(int(dv ? dv : d)))
+    k.push_back(FwdKernel::Hopper);
   return k;
 }
 
@@ -882,6 +941,35 @@ TEST_CASE("strides, MQA, per-batch masks and the other head dims", "[gpu]") {
         INFO(a.summary());
         CHECK(a.pass);
       }
+}
+
+TEST_CASE("v's head dim apart from q's and k's (MLA's 192 / 128) matches the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // O takes v's head dim: staged over Q's shared memory (the wider of the two), tiles for the
+  // wider; odd lengths, GQA, padded [B, S, H, D] layouts, captures, fully masked rows.
+  const char* names[] = {"causal", "softcap", "alibi", "document"};
+  const std::pair<int64_t, int64_t> dims[] = {{192, 128}, {128, 192}, {64, 256}, {256, 64}, {96, 128}};
+  for (size_t di = 0; di < std::size(dims); ++di)
+    for (FwdKernel kernel : kernels_for(dims[di].first, dims[di].second))
+      for (size_t i = 0; i < std::size(names); ++i) {
+        GpuCase c{i % 2 ? DType::F16 : DType::BF16, 2, 4, i % 2 ? 1 : 2, 300, 517,
+                  dims[di].first, (i + di) % 2 == 0, (i + di) % 3 ? 0 : 8, true, {}, kernel};
+        c.Dv = dims[di].second;
+        INFO(names[i] << ": " << c.describe());
+        const Accuracy a = run_case(Variant::from_catalogue(names[i]), c);
+        INFO(a.summary());
+        CHECK(a.pass);
+      }
+  const Variant none = Variant::from_strings("where(q_idx % 5 == 1, -inf, score)", "q_idx % 3 != 0");
+  for (FwdKernel kernel : kernels_for(192, 128)) {
+    GpuCase c{DType::BF16, 1, 2, 2, 200, 129, 192, false, 0, true, {}, kernel};
+    c.Dv = 128;
+    INFO(c.describe());
+    const Accuracy a = run_case(none, c, 1 << 20);
+    INFO(a.summary());
+    CHECK(a.pass);
+    CHECK(a.masked_rows > 0);
+  }
 }
 
 namespace {

@@ -386,6 +386,19 @@ TEST_CASE("attention_backward names the bad argument", "[attention]") {
     CHECK(std::string(e.what()) ==
           "flexc::attention_backward: the Hopper backward kernel has no head dim 96 (64 or 128)");
   }
+  // The forward takes v's head dim apart from q's (FlexAttention's Ev != E); the backward not yet.
+  const TensorView v32{mem[1].data(), DType::BF16, {1, 1, 16, 32}, {}};
+  try {
+    attention_backward(q, k, v32, out, lse, out, {dq, dk, dv, {}}, v);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) ==
+          "flexc::attention_backward: v's head dim 32 differs from q's and k's 64: the backward "
+          "kernels need them equal (the forward takes any pair)");
+  }
+  CHECK_THROWS_WITH(jit::attention_bwd_sm90_spec({"sm_90", "bf16", 128, 64}),
+                    "attention_bwd_sm90: v head dim 64 differs from the head dim 128 (the backward "
+                    "kernels need them equal)");
 }
 
 TEST_CASE("backward gradients match float64: lengths, GQA, masks, score_mods", "[gpu]") {

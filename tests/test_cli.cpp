@@ -58,7 +58,13 @@ TEST_CASE("numbers on the command line are decimal, in range, with readable limi
   refused("blockmask @sliding_window --q-len 64 --param window=nan --device cpu",
           "--param window: 'nan' is not a finite decimal number");
   refused("run @noop --random 1,2,2,16,16,64x", "--random D: '64x' is not a decimal integer");
-  refused("run @noop --random 1,2,2,16,16", "--random '1,2,2,16,16': expected B,HQ,HKV,Q_LEN,KV_LEN,D");
+  refused("run @noop --random 1,2,2,16,16",
+          "--random '1,2,2,16,16': expected B,HQ,HKV,Q_LEN,KV_LEN,D[,DV]");
+  refused("run @noop --random 1,2,2,16,16,64,64,64",
+          "--random '1,2,2,16,16,64,64,64': expected B,HQ,HKV,Q_LEN,KV_LEN,D[,DV]");
+  refused("run @noop --random 1,2,2,16,16,64,x", "--random DV: 'x' is not a decimal integer");
+  refused("compile @causal --arch sm_90 --kernel attention_bwd --head-dim 128 --v-head-dim 64",
+          "attention_bwd: v head dim 64 differs from the head dim 128");
   refused("run @noop --random 1,2,2,16,16,64 --scale 0x1p3",
           "--scale: '0x1p3' is not a finite decimal number");
 }

@@ -7,13 +7,15 @@
 // the gallery's variants instead (issue 11's broader sample: transcendental score_mods, learned
 // biases, integer-heavy mods, capture-based and 2-D masks, combinations), at S = 8k and 16k,
 // D = 64 and 128, with the same shape rule. With --head-dims, the other head dims instead: noop
-// and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, 16k tokens per batch, H = 16.
+// and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, and noop_dv128 /
+// causal_dv128 with q / k head dim 192 and v's 128 (MLA's shapes), 16k tokens per batch, H = 16.
 //
 //   bench_attention [--cases noop,causal,...] [--gallery FILE | --head-dims] [--reps 20]
 //                   [--dtype bf16|fp16]
 //                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
 //
-// FLOPs = 4 * B * H * S * S * D * density (backward: 2.5 times that, the peers' convention),
+// FLOPs = 4 * B * H * S * S * D * density (2 * B * H * S * S * (D + Dv) * density when v's head
+// dim Dv differs; backward: 2.5 times that, the peers' convention),
 // density = the exact fraction of (q, kv) pairs the mask keeps (tools/bench_peers.py uses the same,
 // so the peers' TFLOP/s compare directly). Time: CUDA events around one call (BlockMask built
 // beforehand, kernel compiled by the warm-ups), median of --reps after 3 warm-ups.
@@ -52,7 +54,8 @@ struct Case {
   Variant variant;
   std::map<std::string, std::string> fills;
   bool learn = false;
-  int64_t h = 0;  // heads; 0: kHidden / d
+  int64_t h = 0;   // heads; 0: kHidden / d
+  int64_t dv = 0;  // v's head dim; 0: d
 };
 
 // Backward only: a learnable bias with and without its gradient (the bias-gradient overhead).
@@ -87,6 +90,10 @@ std::vector<Case> head_dim_cases() {
         cases.push_back({name, s, d, Variant::from_catalogue(name), {}, false, 16});
     cases.push_back({"softcap", 16384, d, Variant::from_catalogue("softcap"), {}, false, 16});
   }
+  for (int64_t s : {4096, 16384})
+    for (const char* name : {"noop", "causal"})
+      cases.push_back({fmt::format("{}_dv128", name), s, 192, Variant::from_catalogue(name), {},
+                       false, 16, 128});
   return cases;
 }
 
@@ -226,7 +233,10 @@ int main(int argc, char** argv) {
                                                      : all_cases(backward);
     for (const Case& c : cases) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
-      const int64_t B = kTokens / c.s, H = c.h ? c.h : kHidden / c.d, n = B * H * c.s * c.d;
+      const int64_t dv = c.dv ? c.dv : c.d;
+      if (backward && dv != c.d) continue;  // the backward takes one head dim
+      const int64_t B = kTokens / c.s, H = c.h ? c.h : kHidden / c.d;
+      const int64_t n = B * H * c.s * std::max(c.d, dv);  // elements per tensor buffer
       const Variant& base = c.variant;
       // q, k, v, and dout for the backward; then out, dq, dk, dv.
       std::vector<uint16_t> host = random_bits(4 * n, dtype, std::random_device{}());
@@ -234,13 +244,15 @@ int main(int argc, char** argv) {
       buf.upload(host.data(), host.size() * 2);
       flexc::DeviceBuffer out(n * 2), grads(backward ? 3 * n * 2 : 2);
       flexc::DeviceBuffer lse(B * H * c.s * 4);
-      const TensorView out_view{out.get(), dtype, {B, H, c.s, c.d}, {}};
+      const TensorView out_view{out.get(), dtype, {B, H, c.s, dv}, {}};
       const TensorView lse_view{lse.get(), DType::F32, {B, H, c.s}, {}};
       const auto grad = [&](int64_t i) {
         return TensorView{static_cast<uint16_t*>(grads.get()) + i * n, dtype, {B, H, c.s, c.d}, {}};
       };
+      // q, k, v (v's head dim), dout.
       const auto at = [&](int64_t i) {
-        return TensorView{static_cast<uint16_t*>(buf.get()) + i * n, dtype, {B, H, c.s, c.d}, {}};
+        return TensorView{static_cast<uint16_t*>(buf.get()) + i * n, dtype,
+                          {B, H, c.s, i == 2 ? dv : c.d}, {}};
       };
       AttentionOptions opts;
       opts.stream = stream.get();
@@ -308,8 +320,8 @@ int main(int argc, char** argv) {
             if (r >= 3) ms.push_back(t.elapsed_ms());
           }
           const double t = median(ms);
-          const double tflops = (backward ? 2.5 : 1.0) * 4.0 * double(B * H) * double(c.s) *
-                                double(c.s) * double(c.d) * dens / t * 1e-9;
+          const double tflops = (backward ? 2.5 : 1.0) * 2.0 * double(B * H) * double(c.s) *
+                                double(c.s) * double(c.d + dv) * dens / t * 1e-9;
           const std::string kname =
               (backward ? fmt::format(
                               "bwd{}{}",

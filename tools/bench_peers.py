@@ -12,8 +12,9 @@ flexc / peer ratios per case (> 1: flexc faster).
     python3 tools/bench_peers.py --gallery tools/gallery.json \
         --flexc "build/bench_attention --gallery tools/gallery.json --json"
 
-With --head-dims, noop and causal at S = 4k / 16k and softcap at 16k for D = 96, 192, 256
-(H = 16; bench_attention --head-dims runs the same).
+With --head-dims, noop and causal at S = 4k / 16k and softcap at 16k for D = 96, 192, 256, and
+noop_dv128 / causal_dv128 with q / k head dim 192 and v's 128 (H = 16; bench_attention
+--head-dims runs the same). FLOPs then count 2*B*H*S*S*(D + Dv)*density.
 
 With --backward, the backward pass alone is timed (torch.autograd.grad of a saved forward, with
 the flexc numbers from bench_attention --backward), FLOPs 2.5 times the forward's.
@@ -78,6 +79,7 @@ def gallery_case(entry, b, h, s, device):
 def make_case(name, s, h, device):
     """(score_mod, mask_mod, learnable) for flex_attention; None where the case has none;
     learnable: the captured tensors whose gradient the backward computes."""
+    name = name.removesuffix("_dv128")  # v's head dim apart: the same mods
     if name == "noop":
         return None, None, ()
     if name == "causal":
@@ -139,6 +141,9 @@ def cases(backward, gallery, head_dims=False):
                 for name in ("noop", "causal"):
                     yield name, s, d
             yield "softcap", 16384, d
+        for s in (4096, 16384):
+            for name in ("noop_dv128", "causal_dv128"):
+                yield name, s, 192
         return
     if gallery:
         for entry in gallery:
@@ -178,19 +183,21 @@ def run_peers(reps, only, backward, gallery, head_dims):
         if only and name not in only:
             continue
         b, h = TOKENS // s, 16 if head_dims else HIDDEN // d
-        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=torch.bfloat16,
-                               requires_grad=backward) for _ in range(3))
+        dv = 128 if name.endswith("_dv128") else d
+        q, k, v = (torch.randn(b, h, s, e, device=device, dtype=torch.bfloat16,
+                               requires_grad=backward) for e in (d, d, dv))
         score_mod, mask_mod, learnable = (gallery_case(entries[name], b, h, s, device)
                                           if gallery else make_case(name, s, h, device))
         dens = density(mask_mod, s, device)
-        flops = (2.5 if backward else 1.0) * 4.0 * b * h * s * s * d * dens
+        flops = (2.5 if backward else 1.0) * 2.0 * b * h * s * s * (d + dv) * dens
         row = {"density": dens}
-        if name in ("noop", "causal") and not gallery:
+        if name.removesuffix("_dv128") in ("noop", "causal") and not gallery:
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"),
                                    (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
                 try:
                     with sdpa_kernel(backend):
-                        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=name == "causal")
+                        fn = lambda: F.scaled_dot_product_attention(
+                            q, k, v, is_causal=name.startswith("causal"))
                         row[label] = timed(fn, backward, (q, k, v), reps)
                 except RuntimeError as e:  # a backend that does not support the shape
                     print(f"# {label} {name} S={s} D={d}: {str(e).splitlines()[0]}", file=sys.stderr)

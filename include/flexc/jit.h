@@ -32,7 +32,8 @@ struct KernelBuild {
   std::string kernel;          // a KernelInfo::name; an unknown name throws, listing the known
   std::string arch;            // "sm_90a", "sm_80", "compute_90", ...; empty: the current GPU's
   std::string dtype = "bf16";  // the attention kernels' input type: "bf16" or "fp16"
-  int head_dim = 128;
+  int head_dim = 128;          // q's and k's
+  int v_head_dim = 0;          // v's and the output's (forward kernels only); 0: head_dim
 };
 
 struct CompiledKernel {

@@ -21,10 +21,11 @@
 namespace flexc {
 
 struct ReferenceProblem {
-  // The kernel's inputs widened to float, contiguous: q [B, Hq, Q_LEN, D], k and v
-  // [B, Hkv, KV_LEN, D].
+  // The kernel's inputs widened to float, contiguous: q [B, Hq, Q_LEN, D], k [B, Hkv, KV_LEN, D],
+  // v [B, Hkv, KV_LEN, Dv] (Dv = v_head_dim, or D when 0).
   std::span<const float> q, k, v;
   int64_t batch = 1, q_heads = 1, kv_heads = 1, q_len = 0, kv_len = 0, head_dim = 0;
+  int64_t v_head_dim = 0;
   std::optional<double> scale;  // default 1 / sqrt(D)
   // Host tensors for the variant's captures and runtime params, as flexc::attention takes them.
   std::map<std::string, TensorView, std::less<>> captures;
@@ -36,7 +37,7 @@ struct ReferenceProblem {
 
 struct ReferenceResult {
   std::vector<int64_t> rows;                 // the rows computed, in order
-  std::vector<double> gold_out, ref_out;     // rows.size() x D
+  std::vector<double> gold_out, ref_out;     // rows.size() x Dv
   std::vector<double> gold_lse, ref_lse;     // one per row; -inf where no element is unmasked
 };
 
@@ -53,7 +54,7 @@ struct Accuracy {
   std::string summary() const;
 };
 
-// The tolerance rule. `out`: the kernel's output for r.rows, rows.size() x D; `lse`: one value per
+// The tolerance rule. `out`: the kernel's output for r.rows, rows.size() x Dv; `lse`: one value per
 // row, or empty to check the output only.
 Accuracy check_accuracy(const ReferenceResult& r, std::span<const float> out,
                         std::span<const float> lse);

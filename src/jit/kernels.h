@@ -16,6 +16,7 @@ struct KernelConfig {
   std::string arch;            // empty: the current device's
   std::string dtype = "bf16";  // "bf16" or "fp16": the attention kernels' input type
   int head_dim = 128;
+  int v_head_dim = 0;  // v's and the output's (the forward kernels); 0: head_dim
 };
 
 struct KnownKernel {

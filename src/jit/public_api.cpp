@@ -33,7 +33,7 @@ std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const Ke
                                             bool use_cache) {
   std::vector<jit::KernelSpec> specs;
   for (const KernelBuild& b : builds)
-    specs.push_back(jit::find_kernel(b.kernel).spec({b.arch, b.dtype, b.head_dim}));
+    specs.push_back(jit::find_kernel(b.kernel).spec({b.arch, b.dtype, b.head_dim, b.v_head_dim}));
   std::vector<CompiledKernel> out;
   std::vector<jit::Compiled> compiled = jit::compile_all(v, specs, {.use_cache = use_cache});
   for (size_t i = 0; i < compiled.size(); ++i) {

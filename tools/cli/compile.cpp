@@ -27,7 +27,7 @@ namespace fs = std::filesystem;
 struct Options {
   std::vector<std::string> configs;
   std::string arch, dtype = "bf16", kernels = "all", out_dir, emit, precision;
-  int head_dim = 128;
+  int head_dim = 128, v_head_dim = 0;
   bool timings = false;
 };
 
@@ -71,10 +71,10 @@ void run(const Options& o) {
   std::vector<KernelBuild> builds;
   if (o.kernels == "all")
     for (const KernelInfo& k : kernel_templates(o.arch.empty() ? current_arch() : o.arch))
-      builds.push_back({k.name, o.arch, o.dtype, o.head_dim});
+      builds.push_back({k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim});
   else
     for (const std::string& name : split(o.kernels, "--kernel"))
-      builds.push_back({name, o.arch, o.dtype, o.head_dim});
+      builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim});
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
   for (const std::string& e : o.emit.empty() ? std::vector<std::string>{} : split(o.emit, "--emit")) {
@@ -136,9 +136,13 @@ const Register reg{
                     "(default: this machine's GPU)");
       c->add_option("--dtype", o->dtype, "attention input type: bf16 or fp16")
           ->capture_default_str();
-      c->add_option("--head-dim", o->head_dim, "attention head dimension")
+      c->add_option("--head-dim", o->head_dim, "attention head dimension (q's and k's)")
           ->check(int_range(1, 1024))
           ->capture_default_str();
+      c->add_option("--v-head-dim", o->v_head_dim,
+                    "v's and the output's head dimension when it differs (forward kernels only: "
+                    "name them with --kernel)")
+          ->check(int_range(1, 1024));
       std::string names;
       for (const KernelInfo& k : kernel_templates())
         names += fmt::format("\n  {}: {}", k.name, k.description);

@@ -72,17 +72,19 @@ Input read_input(const std::string& path, const char* name, DType dtype) {
 std::vector<int64_t> parse_sizes(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);
-  const char* names[] = {"B", "HQ", "HKV", "Q_LEN", "KV_LEN", "D"};
+  const char* names[] = {"B", "HQ", "HKV", "Q_LEN", "KV_LEN", "D", "DV"};
   for (std::string item; std::getline(ss, item, ',');) {
-    if (out.size() == 6) break;
+    if (out.size() == 7) break;
     out.push_back(parse_int(item, fmt::format("--random {}", names[out.size()]), 1,
-                            out.size() == 5 ? 256 : kMaxInt32));
+                            out.size() >= 5 ? 256 : kMaxInt32));
   }
-  if (out.size() != 6 || std::count(s.begin(), s.end(), ',') != 5)
-    throw Error(fmt::format("--random '{}': expected B,HQ,HKV,Q_LEN,KV_LEN,D", printable(s)));
-  // q and k / v on the host: a float and a 16-bit copy of each element.
+  const auto commas = std::count(s.begin(), s.end(), ',');
+  if (out.size() < 6 || commas + 1 != static_cast<long>(out.size()))
+    throw Error(fmt::format("--random '{}': expected B,HQ,HKV,Q_LEN,KV_LEN,D[,DV]", printable(s)));
+  if (out.size() == 6) out.push_back(out[5]);  // v's head dim: q's unless given
+  // q, k and v on the host: a float and a 16-bit copy of each element.
   checked_bytes({out[0], out[1], out[3], out[5]}, 6, "--random (q)");
-  checked_bytes({out[0], out[2], out[4], out[5]}, 6, "--random (k, v)");
+  checked_bytes({out[0], out[2], out[4], std::max(out[5], out[6])}, 6, "--random (k, v)");
   return out;
 }
 
@@ -157,14 +159,16 @@ void run(const Options& o) {
     const std::vector<int64_t>& s = sizes;
     q = random_input({s[0], s[1], s[3], s[5]}, rng, dtype);
     k = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
-    v = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
+    v = random_input({s[0], s[2], s[4], s[6]}, rng, dtype);
   } else {
     q = read_input(o.q, "q", dtype);
     k = read_input(o.k, "k", dtype);
     v = read_input(o.v, "v", dtype);
   }
   const int64_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], D = q.shape[3];
-  const int64_t Hkv = k.shape[1], Lkv = k.shape[2];
+  const int64_t Hkv = k.shape[1], Lkv = k.shape[2], Dv = v.shape[3];
+  const std::vector<int64_t> out_shape{B, Hq, Lq, Dv};
+  const int64_t out_numel = B * Hq * Lq * Dv;
 
   // Captures: host arrays in the declared dtype, and their device copies.
   std::vector<npy::Array> host_caps;
@@ -200,12 +204,12 @@ void run(const Options& o) {
   flexc::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
   flexc::DeviceBuffer k_dev = upload(k.bits.data(), k.bits.size() * 2);
   flexc::DeviceBuffer v_dev = upload(v.bits.data(), v.bits.size() * 2);
-  flexc::DeviceBuffer out_dev(std::max<size_t>(q.bits.size() * 2, 16));
+  flexc::DeviceBuffer out_dev(std::max<size_t>(out_numel * 2, 16));
   flexc::DeviceBuffer lse_dev(std::max<size_t>(B * Hq * Lq * 4, 16));
   out_dev.fill(0xff);  // NaN: an element the kernel missed cannot pass for a result
   lse_dev.fill(0xff);
-  const auto view = [&](const flexc::DeviceBuffer& b, const Input& in) {
-    return TensorView{b.get(), dtype, in.shape, {}};
+  const auto view = [&](const flexc::DeviceBuffer& b, const std::vector<int64_t>& shape) {
+    return TensorView{b.get(), dtype, shape, {}};
   };
   opts.lse = TensorView{lse_dev.get(), DType::F32, {B, Hq, Lq}, {}};
 
@@ -215,31 +219,35 @@ void run(const Options& o) {
     bm = create_block_mask(variant, B, Hq, Lq, Lkv, bmo);
     opts.block_mask = &*bm;
   }
-  attention(view(q_dev, q), view(k_dev, k), view(v_dev, v), view(out_dev, q), variant, opts);
+  attention(view(q_dev, q.shape), view(k_dev, k.shape), view(v_dev, v.shape),
+            view(out_dev, out_shape), variant, opts);
   flexc::synchronize_device();
   const double first_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   flexc::EventTimer timer;  // a second, warm launch: the kernel's own time
   timer.start(opts.stream);
-  attention(view(q_dev, q), view(k_dev, k), view(v_dev, v), view(out_dev, q), variant, opts);
+  attention(view(q_dev, q.shape), view(k_dev, k.shape), view(v_dev, v.shape),
+            view(out_dev, out_shape), variant, opts);
   timer.stop(opts.stream);
   const double kernel_ms = timer.elapsed_ms();
 
-  std::vector<uint16_t> out_bits = out_dev.to_vector<uint16_t>(q.bits.size());
+  std::vector<uint16_t> out_bits = out_dev.to_vector<uint16_t>(out_numel);
   std::vector<float> out(out_bits.size());
   for (size_t i = 0; i < out.size(); ++i)
     out[i] = dtype == DType::BF16 ? bf16_to_float(out_bits[i]) : fp16_to_float(out_bits[i]);
   const std::vector<float> lse = lse_dev.to_vector<float>(B * Hq * Lq);
-  if (!o.out.empty()) npy::write(o.out, npy::from_float(q.shape, out));
+  if (!o.out.empty()) npy::write(o.out, npy::from_float(out_shape, out));
   if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, lse));
-  fmt::print("{} {}: B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}: first call {:.1f} ms (build, "
+  fmt::print("{} {}: B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}: first call {:.1f} ms (build, "
              "compile or cache), kernel {:.3f} ms\n",
              variant.name(), o.dtype, B, Hq, Hkv, Lq, Lkv, D,
+             Dv != D ? fmt::format(" Dv {}", Dv) : "",
              bm ? fmt::format(", BlockMask sparsity {:.1f}%", bm->sparsity()) : "", first_ms,
              kernel_ms);
   ref.q = q.values, ref.k = k.values, ref.v = v.values;
   ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
-  ref.head_dim = D, ref.scale = o.scale, ref.params = opts.params, ref.dtype = dtype;
+  ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
+  ref.dtype = dtype;
   if (o.check) {
     const int64_t rows = B * Hq * Lq;
     ReferenceProblem sample = ref;
@@ -252,7 +260,7 @@ void run(const Options& o) {
     const ReferenceResult r = reference_attention(variant, sample);
     std::vector<float> out_rows, lse_rows;
     for (int64_t row : r.rows) {
-      out_rows.insert(out_rows.end(), out.begin() + row * D, out.begin() + (row + 1) * D);
+      out_rows.insert(out_rows.end(), out.begin() + row * Dv, out.begin() + (row + 1) * Dv);
       lse_rows.push_back(lse[row]);
     }
     const Accuracy acc = check_accuracy(r, out_rows, lse_rows);
@@ -260,6 +268,10 @@ void run(const Options& o) {
     if (!acc.pass) throw CLI::RuntimeError(1);
   }
   if (!o.backward) return;
+  if (Dv != D)
+    throw Error(fmt::format("--backward: v's head dim {} differs from q's {}; the backward kernels "
+                            "need them equal (the forward above takes any pair)",
+                            Dv, D));
 
   // ---- backward: dout read or generated, gradients into poisoned buffers (capture gradients
   // start at 0: the kernel adds into them)
@@ -271,7 +283,7 @@ void run(const Options& o) {
   flexc::DeviceBuffer dq_dev(std::max<size_t>(q.bits.size() * 2, 16)), dk_dev(std::max<size_t>(k.bits.size() * 2, 16)),
       dv_dev(std::max<size_t>(v.bits.size() * 2, 16));
   for (flexc::DeviceBuffer* g : {&dq_dev, &dk_dev, &dv_dev}) g->fill(0xff);
-  AttentionGrads grads{view(dq_dev, q), view(dk_dev, k), view(dv_dev, v), {}};
+  AttentionGrads grads{view(dq_dev, q.shape), view(dk_dev, k.shape), view(dv_dev, v.shape), {}};
   std::vector<flexc::DeviceBuffer> dev_grads;
   std::vector<std::string> grad_names;
   dev_grads.reserve(host_caps.size());
@@ -289,7 +301,7 @@ void run(const Options& o) {
   bo.scale = o.scale;
   if (o.atomic_dq || o.deterministic) bo.deterministic = o.deterministic;
   bo.kernel = kernel;
-  const TensorView out_view = view(out_dev, q), dout_view = view(dout_dev, q);
+  const TensorView out_view = view(out_dev, out_shape), dout_view = view(dout_dev, out_shape);
   // Twice, each from zeroed capture gradients: the first compiles, the second is timed.
   double bwd_first_ms = 0, bwd_ms = 0;
   for (int pass = 0; pass < 2; ++pass) {
@@ -298,7 +310,7 @@ void run(const Options& o) {
     const auto b0 = std::chrono::steady_clock::now();
     flexc::EventTimer bt;
     bt.start(bo.stream);
-    attention_backward(view(q_dev, q), view(k_dev, k), view(v_dev, v), out_view, *opts.lse, dout_view,
+    attention_backward(view(q_dev, q.shape), view(k_dev, k.shape), view(v_dev, v.shape), out_view, *opts.lse, dout_view,
                        grads, variant, bo);
     bt.stop(bo.stream);
     flexc::synchronize_device();
@@ -349,9 +361,10 @@ const Register reg("run", [](CLI::App& app) {
       ->required();
   cmd->add_option("--q", o->q, "queries, float32 .npy [B, HQ, Q_LEN, D]");
   cmd->add_option("--k", o->k, "keys, float32 .npy [B, HKV, KV_LEN, D]");
-  cmd->add_option("--v", o->v, "values, float32 .npy [B, HKV, KV_LEN, D]");
+  cmd->add_option("--v", o->v, "values, float32 .npy [B, HKV, KV_LEN, DV] (DV may differ from D)");
   cmd->add_option("--random", o->random,
-                  "generate normal random q, k, v of sizes B,HQ,HKV,Q_LEN,KV_LEN,D instead");
+                  "generate normal random q, k, v of sizes B,HQ,HKV,Q_LEN,KV_LEN,D[,DV] instead "
+                  "(DV: v's and the output's head dim, default D)");
   cmd->add_option("--seed", o->seed, "seed for --random and the --check row sample");
   cmd->add_option("--capture", o->captures,
                   "a captured tensor, NAME=FILE.npy in its declared dtype (float32 converts to "
@@ -360,7 +373,7 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--dtype", o->dtype, "the kernel's input type (default bf16)")
       ->check(CLI::IsMember({"bf16", "fp16"}));
   cmd->add_option("--scale", o->scale, "softmax scale (default 1/sqrt(D))")->check(decimal_number());
-  cmd->add_option("--out", o->out, "write the output here, float32 .npy [B, HQ, Q_LEN, D]");
+  cmd->add_option("--out", o->out, "write the output here, float32 .npy [B, HQ, Q_LEN, DV]");
   cmd->add_option("--lse", o->lse, "write the log-sum-exp here, float32 .npy [B, HQ, Q_LEN]");
   cmd->add_flag("--check", o->check, "compare with the float64 CPU reference; exit 1 on failure");
   cmd->add_option("--check-rows", o->check_rows,
