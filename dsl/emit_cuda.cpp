@@ -97,10 +97,19 @@ class BodyWriter {
   void need_value(NodeId id) { value_[id] = 1; }
   // Asks for the element offset of Load `id` (its indices, not its value).
   void need_offset(NodeId id) { offset_[id] = 1; }
+  // Capture loads as ordinary loads, which the compiler keeps in place (flexc_hooks.cuh).
+  void plain_loads() { plain_ = true; }
+  // Takes `id`'s value from the C++ expression `value` instead of computing it (a capture load
+  // the kernel made ahead of time): nothing it reads is computed for it.
+  void substitute(NodeId id, std::string value) {
+    if (subst_.empty()) subst_.resize(g_.size());
+    subst_[id] = std::move(value);
+  }
 
   std::string write() {
     for (NodeId id = static_cast<NodeId>(g_.size()); id-- > 0;) {
       if (!value_[id] && !offset_[id]) continue;
+      if (substituted(id)) continue;
       const Node& n = g_[id];
       if (n.op == Op::Load) offset_[id] = 1;
       for (NodeId a : n.operands()) value_[a] = 1;
@@ -110,6 +119,10 @@ class BodyWriter {
     for (NodeId id = 0; id < g_.size(); ++id) {
       const Node& n = g_[id];
       if (n.op == Op::Const || n.op == Op::Input) continue;
+      if (substituted(id)) {
+        if (value_[id]) statement(out, n, c_type(n.type), ref(id), subst_[id]);
+        continue;
+      }
       if (offset_[id]) statement(out, n, "long long", fmt::format("o{}", id), offset_expr(n));
       if (value_[id]) statement(out, n, c_type(n.type), ref(id), expr(n, id));
     }
@@ -127,6 +140,8 @@ class BodyWriter {
   }
 
  private:
+  bool substituted(NodeId id) const { return !subst_.empty() && !subst_[id].empty(); }
+
   void statement(std::string& out, const Node& n, std::string_view type, std::string_view name,
                  std::string_view init) const {
     out += fmt::format("    const {} {} = {};", type, name, init);
@@ -253,8 +268,8 @@ class BodyWriter {
                           n.slot, kMaxParams));
         return fmt::format("a.{}param[{}]", n.type == Type::Float ? 'f' : 'i', n.slot);
       case Op::Load:
-        return fmt::format("{}(a.captures[{}], o{})", load_helper(decls_.captures[n.slot].dtype),
-                           n.slot, id);
+        return fmt::format("{}{}(a.captures[{}], o{})", load_helper(decls_.captures[n.slot].dtype),
+                           plain_ ? "<true>" : "", n.slot, id);
       case Op::Neg:
         return f ? "-" + arg(0) : call("flexc_neg");
       case Op::Not:
@@ -355,7 +370,9 @@ class BodyWriter {
   const Decls& decls_;
   std::string_view marker_;
   bool fast_;
+  bool plain_ = false;
   std::vector<char> value_, offset_, exact_;
+  std::vector<std::string> subst_;
 };
 
 constexpr const char* kScoreParams =
@@ -379,6 +396,60 @@ std::string value_hook(const Graph& g, const Decls& decls, std::string_view mark
   std::string body = w.write();
   body += fmt::format("    return {};\n", w.ref(g.root));
   return hook(ret, name, params, body);
+}
+
+// Column loads: score_mod's capture loads whose indices read kv_idx but neither q_idx nor the
+// score (a per-key bias), at most kMaxColumnLoads of them, in node order. The Hopper kernel loads
+// them for a whole kv tile ahead of its scores (templates/attention_tile.cuh, ScoreTile::Columns),
+// once per column, while it waits for the tensor cores; then score_mod_cols reads them. (Not for
+// mask_mod: loading a document mask's ids ahead cost 18%, docs/perf.md.)
+constexpr size_t kMaxColumnLoads = 2;
+
+std::vector<NodeId> column_loads(const Graph& g) {
+  std::vector<NodeId> out;
+  const std::vector<char> used = reachable(g, g.root);
+  for (NodeId id = 0; id <= g.root && out.size() < kMaxColumnLoads; ++id) {
+    if (!used[id] || g[id].op != Op::Load) continue;
+    const Deps d = dependencies(g, id);
+    if (d.reads(Input::KvIdx) && !d.reads(Input::QIdx) && !d.reads(Input::Score))
+      out.push_back(id);
+  }
+  return out;
+}
+
+// The column loads of `g` as 32-bit words into cv[], and the `_cols` twin of its value hook,
+// which reads them back from cv[].
+std::string column_loader(const Graph& g, const Decls& decls, std::string_view marker,
+                          const std::vector<NodeId>& loads, const char* name) {
+  BodyWriter w(g, decls, marker, FloatMath::Exact);
+  w.plain_loads();
+  for (NodeId id : loads) w.need_value(id);
+  std::string body = w.write();
+  for (size_t k = 0; k < loads.size(); ++k) {
+    const Type t = g[loads[k]].type;
+    body += fmt::format("    cv[{}] = {};\n", k,
+                        t == Type::Float ? fmt::format("__float_as_uint({})", w.ref(loads[k]))
+                                         : fmt::format("(unsigned){}", w.ref(loads[k])));
+  }
+  return hook("void", name,
+              "const FlexcArgs& a, int b, int h, int kv_idx, int q_len, int kv_len, unsigned* cv",
+              body);
+}
+
+std::string columns_hook(const Graph& g, const Decls& decls, std::string_view marker,
+                         FloatMath math, const std::vector<NodeId>& loads, const char* ret,
+                         const char* name, const char* params) {
+  BodyWriter w(g, decls, marker, math);
+  for (size_t k = 0; k < loads.size(); ++k) {
+    const Type t = g[loads[k]].type;
+    w.substitute(loads[k], t == Type::Float ? fmt::format("__uint_as_float(cv[{}])", k)
+                           : t == Type::Int ? fmt::format("(int)cv[{}]", k)
+                                            : fmt::format("cv[{}] != 0u", k));
+  }
+  w.need_value(g.root);
+  std::string body = w.write();
+  body += fmt::format("    return {};\n", w.ref(g.root));
+  return hook(ret, name, fmt::format("{}, const unsigned* cv", params).c_str(), body);
 }
 
 // The variant name may hold anything: keep it to characters that cannot end the comment.
@@ -420,6 +491,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
   for (const LoadDerivative& ld : loads)
     grads_read_score |= dependencies(cg, ld.derivative).reads(Input::Score);
   const Deps mdeps = dependencies(mask, mask.root);
+  const std::vector<NodeId> score_cols = column_loads(score);
   std::string out = fmt::format(
       "// Generated by flexc from variant '{}' ({} float math in score_mod). Do not edit: flexc\n"
       "// regenerates it.\n"
@@ -433,16 +505,20 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kScoreGradIsOne = {};\n"
       "  static constexpr bool kHasCaptureGrads = {};\n"
       "  static constexpr int kCaptureGradLoads = {};\n"
-      "  static constexpr bool kCaptureGradsReadScore = {};\n\n",
+      "  static constexpr bool kCaptureGradsReadScore = {};\n"
+      "  static constexpr int kScoreColumnLoads = {};\n\n",
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
-      grads_read_score);
+      grads_read_score, score_cols.size());
 
   const FloatMath math = in.score_math;
   out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);
   out += value_hook(mask, decls, "mask_mod", FloatMath::Exact, "bool", "mask_mod", kMaskParams);
   out += value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams);
+  out += column_loader(score, decls, "score_mod", score_cols, "score_columns");
+  out += columns_hook(score, decls, "score_mod", math, score_cols, "float", "score_mod_cols",
+                      kScoreParams);
 
   BodyWriter w(cg, decls, "score_mod", math);
   for (const LoadDerivative& ld : loads) {

@@ -199,9 +199,13 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     if (!(cw == 1 && j == count - 1)) named_arrive(kTurnBarrier + 1 - cw, 256);
   };
   if (cw == 1 && count > 0) named_arrive(kTurnBarrier, 256);
+  // score_mod's column loads (a per-key bias) of the tile `cur`, issued before this consumer
+  // waits for its turn and for S: the wait hides their latency.
+  typename Scores::Columns cols;
+  auto load_columns = [&] { Scores::load_columns(cols, p, args, b, h, sched.start(cur)); };
   // Hooks and softmax of the tile `cur` in s (left as probabilities); whether O must be rescaled.
   auto softmax_tile = [&](float (&alpha)[1][2]) {
-    Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur));
+    Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur), &cols);
     sched.advance(cur);
     return softmax.step(s, to_log2, alpha);
   };
@@ -209,6 +213,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // Tile 0 has no P.V to overlap: peeled, so that in the loop every issue has its wait on every
   // path (ptxas serializes wgmmas when it cannot prove that).
   if (count > 0) {
+    load_columns();
     mbar_wait(sm.k_full(0), 0);
     take_turn();
     wgmma_fence();
@@ -223,6 +228,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   }
   for (int j = 1; j < count; ++j) {
     const int st = j % kStages, prev = (j - 1) % kStages;
+    load_columns();
     mbar_wait(sm.k_full(st), (j / kStages) & 1);
     mbar_wait(sm.v_full(prev), ((j - 1) / kStages) & 1);
     take_turn();

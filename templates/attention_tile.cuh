@@ -195,19 +195,42 @@ struct ScoreTile {
     return row0 + MT * 16 > p.kv_len || col0 + NT * 8 > p.q_len;
   }
 
+  // The variant's column loads (flexc_hooks.cuh) at this thread's columns of one tile, rows
+  // along Q: load_columns issues them ahead of the tile's scores (the Hopper kernel: before it
+  // waits for its turn and for Q.K^T, which hide their latency) and apply_mods reads them.
+  static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;
+  struct Columns {
+    unsigned score[NT][2][kScoreCols > 0 ? kScoreCols : 1];
+  };
+  __device__ __forceinline__ static void load_columns(Columns& c, const FlexcAttentionParams& p,
+                                                      const FlexcArgs& args, int b, int h,
+                                                      int col0) {
+    static_assert(R == Rows::Q, "columns are keys");
+    if constexpr (kScoreCols > 0) {
+      const Idx idx = index(0, col0, p);  // (rows unused)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          FlexcVariant::score_columns(args, b, h, idx.col[j][e], p.q_len, p.kv_len, c.score[j][e]);
+    }
+  }
+
   // score_mod on scale * q.k, then the mask (FlexAttention's order), for the tile at (row0,
   // col0). Leaves scores in the units OnlineSoftmax expects: raw q.k for an identity score_mod
   // (the softmax scale folds into the exponent), score_mod's output otherwise; masked ones -inf.
   // With GRAD, also writes d score_mod / d score at the same point into grad (the backward pass;
   // unused when the derivative is 1 everywhere). The mask is evaluated without short-circuit so
   // the unrolled tile is straight-line code and row- or column-only terms (capture loads, index
-  // wrapping) are computed once per row / column, not per element.
+  // wrapping) are computed once per row / column, not per element. With `cols` (rows along Q),
+  // score_mod's column loads come from there (load_columns of the same tile).
   template <bool GRAD = false>
   __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
                                                     float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
                                                     const FlexcAttentionParams& p,
                                                     const FlexcArgs& args, int b, int h, int row0,
-                                                    int col0, bool partial) {
+                                                    int col0, bool partial,
+                                                    const Columns* cols = nullptr) {
     const Idx idx = index(row0, col0, p);
     if constexpr (!FlexcVariant::kIdentityScore) {
       for_each(idx, [&](int i, int j, int e, int q_idx, int kv_idx, bool) {
@@ -215,7 +238,10 @@ struct ScoreTile {
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
               FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
-        s[i][j][e] = FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+        s[i][j][e] = kScoreCols > 0 && cols
+                         ? FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, p.q_len,
+                                                        p.kv_len, cols->score[j][e & 1])
+                         : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
       });
     }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
@@ -237,9 +263,10 @@ struct ScoreTile {
   __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
                                                     const FlexcAttentionParams& p,
                                                     const FlexcArgs& args, int b, int h, int row0,
-                                                    int col0, bool partial) {
+                                                    int col0, bool partial,
+                                                    const Columns* cols = nullptr) {
     float unused[1][1][4];
-    apply_mods<false>(s, unused, p, args, b, h, row0, col0, partial);
+    apply_mods<false>(s, unused, p, args, b, h, row0, col0, partial, cols);
   }
 };
 

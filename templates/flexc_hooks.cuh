@@ -15,6 +15,7 @@
 //   static constexpr bool kHasCaptureGrads;  // score_mod reads a float capture differentiably
 //   static constexpr int kCaptureGradLoads;  // how many of its loads do (0 when none)
 //   static constexpr bool kCaptureGradsReadScore;  // a capture gradient reads the pre-mod score
+//   static constexpr int kScoreColumnLoads;  // column loads (below), 0..2
 //
 //   __device__ static float score_mod(const FlexcArgs& a, float score, int b, int h,
 //                                     int q_idx, int kv_idx, int q_len, int kv_len);
@@ -31,6 +32,12 @@
 //   __device__ static void accumulate_capture_grads(const FlexcArgs& a, Sink& grads,
 //                                                   float grad_score, float score, int b, int h,
 //                                                   int q_idx, int kv_idx, int q_len, int kv_len);
+//   // Column loads: score_mod's capture loads whose indices read kv_idx but not q_idx or the
+//   // score, as 32-bit words, so that a kernel can load them per column ahead of the scores;
+//   // score_mod_cols equals score_mod with those loads read from cv.
+//   __device__ static void score_columns(const FlexcArgs& a, int b, int h, int kv_idx,
+//                                        int q_len, int kv_len, unsigned* cv);
+//   __device__ static float score_mod_cols(/* score_mod's parameters */, const unsigned* cv);
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in
@@ -224,25 +231,38 @@ __device__ __forceinline__ long long flexc_at(const FlexcCapture& c, int i0, int
 }
 
 // Loads by element type. bf16 and fp16 are widened exactly, from their bits (no cuda_bf16.h /
-// cuda_fp16.h needed); bool is one byte, nonzero = true.
-__device__ __forceinline__ float flexc_load_f32(const FlexcCapture& c, long long o) {
-  return __ldg(static_cast<const float*>(c.data) + o);
+// cuda_fp16.h needed); bool is one byte, nonzero = true. Read-only (__ldg) loads by default: the
+// compiler may move them freely (out of loops, to their first use). PLAIN: an ordinary load,
+// which stays where it is written; the column loads (ScoreTile::load_columns) are issued ahead of
+// a wait, and a read-only load would be sunk past it.
+template <bool PLAIN = false, class T>
+__device__ __forceinline__ T flexc_load_raw(const void* data, long long o) {
+  if constexpr (PLAIN) return static_cast<const T*>(data)[o];
+  else return __ldg(static_cast<const T*>(data) + o);
 }
+template <bool PLAIN = false>
+__device__ __forceinline__ float flexc_load_f32(const FlexcCapture& c, long long o) {
+  return flexc_load_raw<PLAIN, float>(c.data, o);
+}
+template <bool PLAIN = false>
 __device__ __forceinline__ float flexc_load_bf16(const FlexcCapture& c, long long o) {
-  const unsigned bits = __ldg(static_cast<const unsigned short*>(c.data) + o);
+  const unsigned bits = flexc_load_raw<PLAIN, unsigned short>(c.data, o);
   return __uint_as_float(bits << 16);
 }
+template <bool PLAIN = false>
 __device__ __forceinline__ float flexc_load_f16(const FlexcCapture& c, long long o) {
-  const unsigned short bits = __ldg(static_cast<const unsigned short*>(c.data) + o);
+  const unsigned short bits = flexc_load_raw<PLAIN, unsigned short>(c.data, o);
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
   return f;
 }
+template <bool PLAIN = false>
 __device__ __forceinline__ int flexc_load_i32(const FlexcCapture& c, long long o) {
-  return __ldg(static_cast<const int*>(c.data) + o);
+  return flexc_load_raw<PLAIN, int>(c.data, o);
 }
+template <bool PLAIN = false>
 __device__ __forceinline__ bool flexc_load_bool(const FlexcCapture& c, long long o) {
-  return __ldg(static_cast<const unsigned char*>(c.data) + o) != 0;
+  return flexc_load_raw<PLAIN, unsigned char>(c.data, o) != 0;
 }
 
 // The capture-gradient contributions of one thread; accumulate_capture_grads adds into it, load

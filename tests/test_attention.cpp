@@ -943,6 +943,35 @@ TEST_CASE("strides, MQA, per-batch masks and the other head dims", "[gpu]") {
       }
 }
 
+TEST_CASE("per-key capture loads, issued ahead of the scores, match the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // score_mod's column loads (indexed by kv_idx, not q_idx): the Hopper kernel loads them for a
+  // whole kv tile before waiting for its scores. Every capture dtype, three column loads in
+  // score_mod (two are hoisted, the third stays in place), a kv-only load under a q-dependent
+  // branch, and one beside a mask reading per-key captures itself (not hoisted).
+  const std::vector<CaptureSpec> caps{{"kvb", "float32", {"H", "KV_LEN"}},
+                                      {"kvh", "bf16", {"KV_LEN"}},
+                                      {"kvf", "fp16", {"KV_LEN"}},
+                                      {"doc", "int32", {"KV_LEN"}},
+                                      {"keep", "bool", {"KV_LEN"}}};
+  const Variant score_cols = Variant::from_strings(
+      "score + kvb[h, kv_idx] - 0.5 * kvh[kv_idx] + where(q_idx > kv_idx, kvf[kv_idx // 3], 0.0)",
+      "true", caps, {}, "score_cols");
+  const Variant mask_cols = Variant::from_strings(
+      "score + kvb[h, kv_idx]", "(doc[kv_idx] == doc[q_idx] || keep[kv_idx]) && kv_idx <= q_idx + 90",
+      caps, {}, "kv_mask");
+  for (const Variant* v : {&score_cols, &mask_cols})
+    for (int64_t d : {64, 128})
+      for (FwdKernel kernel : kernels_for(d)) {
+        GpuCase c{d == 64 ? DType::BF16 : DType::F16, 2, 4, 2, 333, 1000, d, d == 64, 0, true,
+                  {}, kernel};
+        INFO(v->name() << ": " << c.describe());
+        const Accuracy a = run_case(*v, c);
+        INFO(a.summary());
+        CHECK(a.pass);
+      }
+}
+
 TEST_CASE("v's head dim apart from q's and k's (MLA's 192 / 128) matches the reference", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // O takes v's head dim: staged over Q's shared memory (the wider of the two), tiles for the

@@ -298,6 +298,7 @@ inline float __int2float_rn(int i) { return (float)i; }
 inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
 inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
 inline float __uint_as_float(unsigned u) { return std::bit_cast<float>(u); }
+inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
 template <class T> T __ldg(const T* p) { return *p; }
 inline void atomicAdd(float* p, float v) { *p += v; }
 // One thread is a warp of one lane (FlexcGradSink::flush_warp compiles; the test uses flush_thread).
@@ -494,6 +495,15 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
         "    v{0}::FlexcVariant::accumulate_capture_grads(a, grads, 0.5f, s, p.b, p.h, p.q, p.kv, "
         "p.q_len, p.kv_len);\n"
         "    grads.flush_thread();\n"
+        // The column-load twins (loads made ahead, then read back) give the same bits.
+        "    unsigned cv[2] = {{}};\n"
+        "    v{0}::FlexcVariant::score_columns(a, p.b, p.h, p.kv, p.q_len, p.kv_len, cv);\n"
+        "    const float rc = v{0}::FlexcVariant::score_mod_cols(a, s, p.b, p.h, p.q, p.kv, "
+        "p.q_len, p.kv_len, cv);\n"
+        "    if (std::bit_cast<unsigned>(rc) != std::bit_cast<unsigned>(r)) {{\n"
+        "      std::fprintf(stderr, \"variant {0}: score_mod_cols differs\\n\");\n"
+        "      return 3;\n"
+        "    }}\n"
         "    std::printf(\"%08x %08x %d\\n\", std::bit_cast<unsigned>(r), "
         "std::bit_cast<unsigned>(g), (int)m);\n"
         "  }}\n",
@@ -508,7 +518,7 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
   const char* cxx = std::getenv("CXX");
   const std::string cmd = fmt::format(
       "cd '{}' && '{}' -std=c++20 -O1 -ffp-contract=off -fno-builtin -w -I'{}/templates' main.cpp -o main "
-      "2> build.log && ./main > out.txt",
+      "2> build.log && ./main > out.txt 2>> build.log",
       dir.string(), cxx && *cxx ? cxx : "c++", FLEXC_SOURCE_DIR);
   const int rc = std::system(cmd.c_str());
   if (rc != 0) {
