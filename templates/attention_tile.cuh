@@ -207,12 +207,74 @@ struct ScoreTile {
                                                       int col0) {
     static_assert(R == Rows::Q, "columns are keys");
     if constexpr (kScoreCols > 0) {
+      if constexpr (FlexcVariant::kScoreColumnsAffine)
+        if (load_column_pairs(c, p, args, b, h, col0)) return;
       const Idx idx = index(0, col0, p);  // (rows unused)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
           FlexcVariant::score_columns(args, b, h, idx.col[j][e], p.q_len, p.kv_len, c.score[j][e]);
+    }
+  }
+
+  // The fast path of load_columns (FlexcVariant::kScoreColumnsAffine: every column load is
+  // capture[..., kv_idx, ...]): inside kv_len, and where each capture's kv dim has stride 1 and
+  // pairs are aligned, a thread's columns 2t, 2t + 1 of each n8 tile are one load from the offset
+  // at kv_idx = 0, with no per-column index or address arithmetic. False: the caller loads them
+  // one by one.
+  __device__ __forceinline__ static bool load_column_pairs(Columns& c, const FlexcAttentionParams& p,
+                                                           const FlexcArgs& args, int b, int h,
+                                                           int col0) {
+    if (col0 + NT * 8 > p.kv_len) return false;
+    long long base[2];
+    FlexcVariant::score_column_offsets(args, b, h, 0, p.q_len, p.kv_len, base);
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < kScoreCols; ++k) {
+      const FlexcCapture& cap = args.captures[FlexcVariant::score_column_slot(k)];
+      const int bytes = column_bytes(FlexcVariant::score_column_type(k));
+      ok &= cap.stride[FlexcVariant::score_column_dim(k)] == 1 &&
+            (reinterpret_cast<unsigned long long>(cap.data) + base[k] * bytes) % (2 * bytes) == 0;
+    }
+    if (!ok) return false;
+    const int col = col0 + (threadIdx.x & 3) * 2;
+#pragma unroll
+    for (int k = 0; k < kScoreCols; ++k) {
+      const void* data = args.captures[FlexcVariant::score_column_slot(k)].data;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+        load_pair(FlexcVariant::score_column_type(k), data, base[k] + col + j * 8,
+                  c.score[j][0][k], c.score[j][1][k]);
+    }
+    return true;
+  }
+  __device__ __forceinline__ static constexpr int column_bytes(int type) {
+    return type == 0 || type == 3 ? 4 : type == 4 ? 1 : 2;
+  }
+  // Elements `at` and `at + 1` of a capture of element type `type` (affine_columns' codes in
+  // dsl/emit_cuda.cpp; a constant once unrolled) as the 32-bit words score_columns makes of them.
+  // Ordinary loads, like the column loads' (flexc_hooks.cuh says why).
+  __device__ __forceinline__ static void load_pair(int type, const void* data, long long at,
+                                                   unsigned& w0, unsigned& w1) {
+    if (type == 0 || type == 3) {  // float32 / int32 bits
+      const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const unsigned*>(data) + at);
+      w0 = v.x, w1 = v.y;
+    } else if (type == 1) {  // bf16 -> float32 bits
+      const unsigned v =
+          *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(data) + at);
+      w0 = v << 16, w1 = v & 0xffff0000u;
+    } else if (type == 2) {  // fp16 -> float32
+      const unsigned v =
+          *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(data) + at);
+      float f0, f1;
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f0) : "h"(static_cast<unsigned short>(v & 0xffffu)));
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f1) : "h"(static_cast<unsigned short>(v >> 16)));
+      w0 = __float_as_uint(f0), w1 = __float_as_uint(f1);
+    } else {  // bool: nonzero byte
+      const unsigned short v =
+          *reinterpret_cast<const unsigned short*>(static_cast<const unsigned char*>(data) + at);
+      w0 = (v & 0xffu) != 0, w1 = (v >> 8) != 0;
     }
   }
 

@@ -38,6 +38,15 @@
 //   __device__ static void score_columns(const FlexcArgs& a, int b, int h, int kv_idx,
 //                                        int q_len, int kv_len, unsigned* cv);
 //   __device__ static float score_mod_cols(/* score_mod's parameters */, const unsigned* cv);
+//   // When every column load reads capture[..., kv_idx, ...] (kv_idx itself, at a dim of length
+//   // KV_LEN; kScoreColumnsAffine): load k's capture slot, that dim, its element type (0
+//   // float32, 1 bf16, 2 fp16, 3 int32, 4 bool), and its element offsets (at kv_idx = 0, the
+//   // kernels add the key), so that a kernel loads adjacent keys together.
+//   static constexpr bool kScoreColumnsAffine;
+//   __device__ static constexpr int score_column_slot(int k), score_column_dim(int k),
+//                                   score_column_type(int k);
+//   __device__ static void score_column_offsets(const FlexcArgs& a, int b, int h, int kv_idx,
+//                                               int q_len, int kv_len, long long* o);
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in

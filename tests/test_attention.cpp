@@ -946,9 +946,11 @@ TEST_CASE("strides, MQA, per-batch masks and the other head dims", "[gpu]") {
 TEST_CASE("per-key capture loads, issued ahead of the scores, match the reference", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // score_mod's column loads (indexed by kv_idx, not q_idx): the Hopper kernel loads them for a
-  // whole kv tile before waiting for its scores. Every capture dtype, three column loads in
-  // score_mod (two are hoisted, the third stays in place), a kv-only load under a q-dependent
-  // branch, and one beside a mask reading per-key captures itself (not hoisted).
+  // whole kv tile before waiting for its scores, two adjacent keys at once where the capture is
+  // [..., KV_LEN] with stride 1 and the pair aligned (KV_LEN 1000), one by one otherwise (KV_LEN
+  // 517: odd heads' rows start unaligned; the edge tile; kvf[kv_idx // 3]). Every capture dtype,
+  // three column loads in one score_mod (two are hoisted, the third stays in place), a kv-only
+  // load under a q-dependent branch, and one beside a mask reading per-key captures itself.
   const std::vector<CaptureSpec> caps{{"kvb", "float32", {"H", "KV_LEN"}},
                                       {"kvh", "bf16", {"KV_LEN"}},
                                       {"kvf", "fp16", {"KV_LEN"}},
@@ -960,11 +962,15 @@ TEST_CASE("per-key capture loads, issued ahead of the scores, match the referenc
   const Variant mask_cols = Variant::from_strings(
       "score + kvb[h, kv_idx]", "(doc[kv_idx] == doc[q_idx] || keep[kv_idx]) && kv_idx <= q_idx + 90",
       caps, {}, "kv_mask");
-  for (const Variant* v : {&score_cols, &mask_cols})
+  const Variant fp16_bool = Variant::from_strings(
+      "score + kvf[kv_idx] * where(keep[kv_idx], 1.0, 0.5)", "true", caps, {}, "fp16_bool");
+  const Variant int32 =
+      Variant::from_strings("score - 0.1 * float(doc[kv_idx])", "true", caps, {}, "int32");
+  for (const Variant* v : {&score_cols, &mask_cols, &fp16_bool, &int32})
     for (int64_t d : {64, 128})
       for (FwdKernel kernel : kernels_for(d)) {
-        GpuCase c{d == 64 ? DType::BF16 : DType::F16, 2, 4, 2, 333, 1000, d, d == 64, 0, true,
-                  {}, kernel};
+        GpuCase c{d == 64 ? DType::BF16 : DType::F16, 2, 4, 2, 333, d == 64 ? 1000 : 517, d,
+                  d == 64, 0, true, {}, kernel};
         INFO(v->name() << ": " << c.describe());
         const Accuracy a = run_case(*v, c);
         INFO(a.summary());

@@ -88,6 +88,32 @@ TEST_CASE("emitted facts follow the mods", "[emit]") {
   CHECK(has(cmp, "kMaskReadsB = true;"));
 }
 
+TEST_CASE("score_mod's loads indexed by kv_idx alone are column loads", "[emit]") {
+  Decls d;
+  d.captures.push_back({"kvb", DType::BF16, {{Dim::H}, {Dim::KvLen}}});
+  d.captures.push_back({"tab", DType::F32, {{Dim::Fixed, 4096}}});
+  d.captures.push_back({"doc", DType::I32, {{Dim::KvLen}}});
+  const std::string none = emit(parse("score + kvb[h, q_idx] + tab[3]", "true", d));
+  CHECK(has(none, "kScoreColumnLoads = 0;"));
+  CHECK(has(none, "kScoreColumnsAffine = false;"));
+  // Two per-key loads, both capture[..., kv_idx] on a KV_LEN dim: loadable in adjacent pairs.
+  const std::string pair = emit(parse("score + kvb[h, kv_idx] * float(doc[kv_idx])", "true", d));
+  CHECK(has(pair, "kScoreColumnLoads = 2;"));
+  CHECK(has(pair, "kScoreColumnsAffine = true;"));
+  CHECK(has(pair, "score_column_slot(int k) { return k == 0 ? 0 : k == 1 ? 2 : 0; }"));
+  CHECK(has(pair, "score_column_dim(int k) { return k == 0 ? 1 : k == 1 ? 0 : 0; }"));
+  CHECK(has(pair, "score_column_type(int k) { return k == 0 ? 1 : k == 1 ? 3 : 0; }"));
+  CHECK(has(pair, "__uint_as_float(cv[0])"));
+  CHECK(has(pair, "(int)cv[1]"));
+  // kv_idx // 2, or kv_idx on a fixed dim (wrapped): column loads, one key at a time.
+  for (const char* mod : {"score + kvb[h, kv_idx // 2]", "score + tab[kv_idx]"}) {
+    INFO(mod);
+    const std::string one = emit(parse(mod, "true", d));
+    CHECK(has(one, "kScoreColumnLoads = 1;"));
+    CHECK(has(one, "kScoreColumnsAffine = false;"));
+  }
+}
+
 TEST_CASE("emitted text is deterministic and names no user identifier", "[emit]") {
   Decls d;
   d.captures.push_back({"my_secret_table", DType::BF16, {{Dim::Fixed, 8}}});
