@@ -31,14 +31,25 @@ namespace flexc {
 
 namespace detail {
 
+namespace {
+
+// The head dims the forward kernels have tiles for (int64: checked before any int cast, which
+// would wrap 2^32 + 128 to 128).
+bool fwd_supports(int64_t d) {
+  return d == 32 || d == 64 || d == 96 || d == 128 || d == 192 || d == 256;
+}
+constexpr const char* kFwdHeadDims = "32, 64, 96, 128, 192 or 256";
+
+}  // namespace
+
 TileConfig fwd_config(int head_dim, int v_head_dim) {
   // 4 warps of 32 query rows each where the registers allow (K / V fragments serve two row
   // tiles); 16 rows per warp for D = 96, 192 and 256, whose accumulators need the registers. Two
   // stages: K / V of the next tile load while this one is computed. Measured in docs/perf.md.
   // Tiles for the wider of the two head dims (D for q and k, Dv for v and the output).
   for (int d : {head_dim, v_head_dim})
-    if (d != 32 && d != 64 && d != 96 && d != 128 && d != 192 && d != 256)
-      throw Error(fmt::format("head dim {} is not supported (32, 64, 96, 128, 192 or 256)", d));
+    if (!fwd_supports(d))
+      throw Error(fmt::format("head dim {} is not supported ({})", d, kFwdHeadDims));
   const int d_max = std::max(head_dim, v_head_dim);
   TileConfig c{};
   switch (d_max) {
@@ -243,10 +254,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
   if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
     fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
-  // Checked on the int64: the cast for fwd_config would wrap 2^32 + 128 to 128.
   for (auto [name, d] : {std::pair{"q", D}, {"v", Dv}})
-    if (d != 32 && d != 64 && d != 96 && d != 128 && d != 192 && d != 256)
-      fail(fmt::format("{}: head dim {} is not supported (32, 64, 96, 128, 192 or 256)", name, d));
+    if (!detail::fwd_supports(d))
+      fail(fmt::format("{}: head dim {} is not supported ({})", name, d, detail::kFwdHeadDims));
   const detail::TileConfig portable = detail::fwd_config(int(D), int(Dv));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
   const std::string hopper_misfit = detail::hopper_misfit(
