@@ -266,14 +266,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
-  if (opts.lse) {
-    const TensorView& l = *opts.lse;
-    if (l.dtype != DType::F32 || l.shape != std::vector<int64_t>{B, Hq, q_len} ||
-        (!l.strides.empty() && l.strides != std::vector<int64_t>{Hq * q_len, q_len, 1}) ||
-        l.data == nullptr || reinterpret_cast<uintptr_t>(l.data) % 4 != 0)
-      fail(fmt::format("lse must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}", B,
-                       Hq, q_len, l.describe()));
-  }
+  if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
   // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
   // an output sharing memory with another operand, gives a result that depends on block order.
   if (detail::self_overlaps(out))

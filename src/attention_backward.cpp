@@ -118,32 +118,6 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
 [[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
-// A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse).
-void check_rows(const char* name, const TensorView& t, int64_t B, int64_t Hq, int64_t q_len) {
-  if (t.dtype != DType::F32 || t.shape != std::vector<int64_t>{B, Hq, q_len} ||
-      (!t.strides.empty() && t.strides != std::vector<int64_t>{Hq * q_len, q_len, 1}) ||
-      t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
-    fail(fmt::format("{} must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}", name,
-                     B, Hq, q_len, t.describe()));
-}
-
-// Stream-ordered device memory, freed on the same stream after the kernels that use it.
-class StreamBuffer {
- public:
-  StreamBuffer(size_t bytes, CUstream stream) : stream_(stream) {
-    const jit::DriverApi& d = jit::driver("allocating flexc::attention_backward's workspace");
-    jit::check(d.cuMemAllocAsync(&ptr_, bytes ? bytes : 1, stream),
-               fmt::format("allocating {} bytes of workspace for {}", bytes, kWhat));
-  }
-  ~StreamBuffer() { jit::driver("freeing workspace").cuMemFreeAsync(ptr_, stream_); }
-  StreamBuffer(const StreamBuffer&) = delete;
-  StreamBuffer& operator=(const StreamBuffer&) = delete;
-  CUdeviceptr ptr() const { return ptr_; }
-
- private:
-  CUdeviceptr ptr_ = 0;
-  CUstream stream_;
-};
 
 }  // namespace
 
@@ -182,8 +156,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     fail(fmt::format("q: head dim {} is not supported by the backward kernel (32, 64, 96 or 128)",
                      D));
   const detail::TileConfig cfg = detail::bwd_config(static_cast<int>(D));
-  check_rows("lse", lse, B, Hq, q_len);
-  if (opts.dlse) check_rows("dlse", *opts.dlse, B, Hq, q_len);
+  detail::check_rows(kWhat, "lse", lse, B, Hq, q_len);
+  if (opts.dlse) detail::check_rows(kWhat, "dlse", *opts.dlse, B, Hq, q_len);
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
@@ -274,8 +248,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   // templates/attention_tile.cuh).
   const int64_t delta_floats = (rows + 63) / 64 * 64;
   const int64_t dq_floats = deterministic ? 0 : B * Hq * ((q_len + 63) / 64 * 64) * D;
-  const StreamBuffer work(static_cast<size_t>(delta_floats + dq_floats) * sizeof(float),
-                          opts.stream);
+  const detail::StreamBuffer work(static_cast<size_t>(delta_floats + dq_floats) * sizeof(float),
+                                  opts.stream, kWhat);
   FlexcAttentionBwdParams p{};
   FlexcAttentionParams& f = p.fwd;
   f.q = q.data, f.k = k.data, f.v = v.data, f.o = out.data;
@@ -292,7 +266,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   f.scale = static_cast<float>(scale);
   f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;
-  p.delta = reinterpret_cast<float*>(work.ptr());
+  p.delta = static_cast<float*>(work.get());
   p.dq_accum = deterministic ? nullptr : p.delta + delta_floats;
   FlexcBlockMask bm{};
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);

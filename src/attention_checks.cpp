@@ -34,8 +34,50 @@ DeviceLimits device_limits() {
                                     dev),
              "querying the GPU's shared memory per block");
   l.max_smem = static_cast<size_t>(smem);
+  jit::check(d.cuDeviceGetAttribute(&l.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+             "querying the GPU's multiprocessor count");
   return known.emplace(static_cast<int>(dev), l).first->second;
 }
+
+namespace {
+
+// flexc's own stream-ordered pool on the current device: it keeps freed workspace for reuse
+// (release threshold: never), where the default pool may hand memory back to the driver at each
+// synchronization and map it again on the next call (tens of microseconds, which a decode step
+// cannot afford). The memory stays with flexc until the process ends.
+CUmemoryPool workspace_pool(const jit::DriverApi& d) {
+  CUdevice dev = 0;
+  jit::check(d.cuCtxGetDevice(&dev), "querying the current context's device");
+  static std::mutex mu;
+  static std::unordered_map<int, CUmemoryPool> pools;
+  std::lock_guard lk(mu);
+  CUmemoryPool& pool = pools[static_cast<int>(dev)];
+  if (pool == nullptr) {
+    CUmemPoolProps props{};
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = static_cast<int>(dev);
+    jit::check(d.cuMemPoolCreate(&pool, &props), "creating flexc's workspace pool");
+    cuuint64_t keep = ~cuuint64_t{0};
+    jit::check(d.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep),
+               "setting flexc's workspace pool to keep its memory");
+  }
+  return pool;
+}
+
+}  // namespace
+
+StreamBuffer::StreamBuffer(size_t bytes, CUstream stream, std::string_view what)
+    : stream_(stream) {
+  const jit::DriverApi& d = jit::driver(fmt::format("allocating {}'s workspace", what));
+  jit::current_context();
+  CUdeviceptr ptr = 0;
+  jit::check(d.cuMemAllocFromPoolAsync(&ptr, bytes ? bytes : 1, workspace_pool(d), stream),
+             fmt::format("allocating {} bytes of workspace for {}", bytes, what));
+  ptr_ = ptr;
+}
+
+StreamBuffer::~StreamBuffer() { jit::driver("freeing workspace").cuMemFreeAsync(ptr_, stream_); }
 
 bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misfit,
                 std::string_view what) {
@@ -81,6 +123,15 @@ void check_qkv(std::string_view what, const char* name, const TensorView& t, DTy
                        name, t.describe()));
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
     fail(fmt::format("{}: data must be 16-byte aligned", name));
+}
+
+void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B,
+                int64_t Hq, int64_t q_len) {
+  if (t.dtype != DType::F32 || t.shape != std::vector<int64_t>{B, Hq, q_len} ||
+      (!t.strides.empty() && t.strides != std::vector<int64_t>{Hq * q_len, q_len, 1}) ||
+      t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
+    throw Error(fmt::format("{}: {} must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}",
+                            what, name, B, Hq, q_len, t.describe()));
 }
 
 bool is_empty(const TensorView& t) {

@@ -17,6 +17,7 @@ namespace flexc::detail {
 struct DeviceLimits {
   int major = 0, minor = 0;
   size_t max_smem = 0;  // opt-in maximum per block
+  int sms = 0;          // streaming multiprocessors
 };
 DeviceLimits device_limits();
 
@@ -30,6 +31,10 @@ bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misf
 // contiguous head dim, 16-byte aligned rows.
 void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype);
 
+// A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse), 4-byte aligned.
+void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B,
+                int64_t Hq, int64_t q_len);
+
 // No elements (tested per dim: numel() can overflow on shapes not yet bounded).
 bool is_empty(const TensorView& t);
 // Whether the byte ranges of two views intersect.
@@ -38,6 +43,21 @@ bool overlap(const TensorView& a, const TensorView& b);
 // stride must step past everything the smaller ones span (a sufficient test; it admits every
 // permutation of a packed layout and rejects stride 0 broadcasts).
 bool self_overlaps(const TensorView& t);
+
+// Stream-ordered device memory (workspace), freed on the same stream after the kernels that use
+// it; allowed inside CUDA graph capture. `what` names the call in errors.
+class StreamBuffer {
+ public:
+  StreamBuffer(size_t bytes, CUstream_st* stream, std::string_view what);
+  ~StreamBuffer();
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  void* get() const { return reinterpret_cast<void*>(ptr_); }
+
+ private:
+  unsigned long long ptr_ = 0;
+  CUstream_st* stream_;
+};
 
 // Whether the BlockMask's tiles split into a kernel's block_m x block_n tiles.
 bool tiles_fit(const BlockMask& bm, int block_m, int block_n);

@@ -41,6 +41,14 @@ size_t bwd_dq_rows_smem(int head_dim);
 // dim it does not support (64 and 128 only).
 TileConfig bwd_config_sm90(int head_dim);
 
+// The decode kernel's (templates/attention_decode.cuh) for head dims D / Dv and `rows` query rows
+// per kv head (Q_LEN x Hq / Hkv): 16 x mt rows per CTA, `stages` K / V stages.
+struct DecodeConfig {
+  int mt = 1, rows = 16, stages = 3, block_n = 64;
+  size_t smem_bytes = 0;
+};
+DecodeConfig decode_config(int head_dim, int v_head_dim, int64_t rows);
+
 // Whether the Hopper kernels can load `t` with TMA: a nonzero stride below 2^39 elements on every
 // dim longer than 1.
 bool tma_fits(const TensorView& t);
@@ -76,6 +84,12 @@ KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
 // attention_bwd_deterministic_spec's flexc_attention_bwd_dq_rows.
 KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg);
+
+// templates/attention_decode.cuh: flexc_attention_decode(FlexcDecodeParams p, FlexcArgs args)
+// with `mt` 16-row tiles of query rows per CTA (1 or 2; the plain spec: 1). The same compile
+// holds flexc_attention_combine(FlexcCombineParams), which merges the kv splits.
+KernelSpec attention_decode_spec(const KernelConfig& cfg, int mt);
+KernelSpec attention_decode_spec(const KernelConfig& cfg);
 
 // Throws flexc::Error (naming `kernel`) unless cfg.dtype is bf16 or fp16.
 void check_dtype(std::string_view kernel, const KernelConfig& cfg);

@@ -40,7 +40,19 @@ ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceP
   ReferenceInputs in;
   in.scale = p.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   in.params = resolve_params(impl, p.params, what);
-  const auto views = resolve_captures(impl, p.captures, {B, Hq, Lq, Lkv}, what);
+  if (!p.kv_lens.empty() || !p.q_offsets.empty()) {
+    if (p.kv_lens.size() != static_cast<size_t>(B) ||
+        (!p.q_offsets.empty() && p.q_offsets.size() != static_cast<size_t>(B)))
+      throw Error(fmt::format("{}: kv_lens ({}) and q_offsets ({}, or none) need one value per "
+                              "batch ({})",
+                              what, p.kv_lens.size(), p.q_offsets.size(), B));
+    for (int64_t len : p.kv_lens)
+      if (len < 0 || len > Lkv)
+        throw Error(fmt::format("{}: kv_lens value {} is outside [0, KV_LEN = {}]", what, len, Lkv));
+  }
+  // Decode positions index one sequence: captures' Q_LEN dims are the cache's length.
+  const int64_t capture_q_len = p.kv_lens.empty() ? Lq : Lkv;
+  const auto views = resolve_captures(impl, p.captures, {B, Hq, capture_q_len, Lkv}, what);
   in.captures.resize(views.size());
   for (size_t slot = 0; slot < views.size(); ++slot) {
     if (!views[slot]) continue;
@@ -89,9 +101,17 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
       const int64_t row = r.rows[i];
       const int64_t b = row / (Hq * Lq), h = row / Lq % Hq, qi = row % Lq, hk = h / (Hq / Hkv);
       const float* q = p.q.data() + row * D;
-      env.ints = {0, b, h, qi, 0, Lq, Lkv};
+      // The row's position, its sequence's length and the lengths the mods see.
+      int64_t pos = qi, keys = Lkv, hook_q_len = Lq;
+      if (!p.kv_lens.empty()) {
+        keys = p.kv_lens[b];
+        pos = (p.q_offsets.empty() ? keys - Lq : p.q_offsets[b]) + qi;
+        hook_q_len = pos - qi + Lq;
+        if (pos < 0 || pos >= Lkv) continue;  // no keys: output 0, LSE -inf
+      }
+      env.ints = {0, b, h, pos, 0, hook_q_len, keys};
       double mx = -kInf, mx32 = -kInf;
-      for (int64_t j = 0; j < Lkv; ++j) {
+      for (int64_t j = 0; j < keys; ++j) {
         const float* k = p.k.data() + ((b * Hkv + hk) * Lkv + j) * D;
         double dot = 0;
         for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q[d]) * k[d];
@@ -118,7 +138,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
       std::fill(gold.begin(), gold.end(), 0.0);
       std::fill(ref.begin(), ref.end(), 0.0);
       double l = 0, l32 = 0;
-      for (int64_t j = 0; j < Lkv; ++j) {
+      for (int64_t j = 0; j < keys; ++j) {
         if (s[j] == -kInf) continue;
         const double pg = std::exp(s[j] - mx), pr = std::exp(s32[j] - mx32);
         const double pr16 = detail::round_to(p.dtype, pr);

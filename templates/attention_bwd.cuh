@@ -199,14 +199,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
         s[0][j][e] = p_from_lse(s[0][j][e], to_log2, lse2[j * 8 + (lane & 3) * 2 + (e & 1)]);
 
     // dV += P^T dO
-#pragma unroll
-    for (int kk = 0; kk < kBlockM; kk += 16) {
-      unsigned a[1][4];
-      c_to_a<kBf16>(s[0], kk / 16, a[0]);
-      mma_rows<kBf16>(dv, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4_trans(bf, frag_bt_q(do_tile(stage), kk, n / 8));
-      });
-    }
+    mma_c_b<kBf16>(dv, s, frag_bt_q, do_tile(stage), 0);
     // dP^T = V dO^T
     float dp[1][kNT][4];
     zero_fragments(dp);
@@ -221,8 +214,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     // dS^T = P^T (dP^T - delta) d score_mod / d score; where P is 0 (masked, past a length, a
     // score_mod of -inf) dS is exactly 0 whatever the derivative there.
     const float* delta = delta_of(stage);
-    const Scores::Idx idx = Scores::index(row0, q0, p);
-    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool) {
+    const Scores::Idx idx = Scores::index(hq, row0, q0, p);
+    Scores::for_each(idx, [&](int, int j, int e, int, int q_idx, int kv_idx, bool) {
       const float pv = s[0][j][e];
       if constexpr (FlexcVariant::kHasCaptureGrads)
         if (want_capture_grads)
@@ -234,14 +227,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     });
 
     // dK += dS^T Q
-#pragma unroll
-    for (int kk = 0; kk < kBlockM; kk += 16) {
-      unsigned a[1][4];
-      c_to_a<kBf16>(dp[0], kk / 16, a[0]);
-      mma_rows<kBf16>(dk, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4_trans(bf, frag_bt_q(q_tile(stage), kk, n / 8));
-      });
-    }
+    mma_c_b<kBf16>(dk, dp, frag_bt_q, q_tile(stage), 0);
     if constexpr (!kDeterministic) {
       // dS^T to shared memory, then each warp takes kQRows query rows of dQ += dS K.
 #pragma unroll
@@ -421,14 +407,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
         dp[0][j][e] = dscore<kGrad>(pv, dp[0][j][e], delta[e >> 1], grad[0][kGrad ? j : 0][e]);
       }
     // dQ += dS K
-#pragma unroll
-    for (int kk = 0; kk < kBlockN; kk += 16) {
-      unsigned a[1][4];
-      c_to_a<kBf16>(dp[0], kk / 16, a[0]);
-      mma_rows<kBf16>(dq, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4_trans(bf, frag_bt_kv(k_tile(stage), kk, n / 8));
-      });
-    }
+    mma_c_b<kBf16>(dq, dp, frag_bt_kv, k_tile(stage), 0);
   }
   cp_async_wait<0>();
   __syncthreads();

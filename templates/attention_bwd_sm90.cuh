@@ -212,8 +212,8 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
     // dS^T while dV runs.
     wgmma_wait<1>();
     fence_regs(dp[0]);
-    const Scores::Idx idx = Scores::index(row0, q0, p);
-    Scores::for_each(idx, [&](int, int j, int e, int q_idx, int kv_idx, bool) {
+    const Scores::Idx idx = Scores::index(hq, row0, q0, p);
+    Scores::for_each(idx, [&](int, int j, int e, int, int q_idx, int kv_idx, bool) {
       const int c = j * 8 + (lane & 3) * 2 + (e & 1);
       const float pv = s[0][j][e];
       if constexpr (CAPTURE_GRADS)

@@ -152,15 +152,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
     // factors are exactly 1, so this changes no result).
     if (softmax.step(s, flexc_attn::units_log2(p), alpha)) softmax.rescale(acc, alpha);
 
-#pragma unroll
-    for (int kk = 0; kk < kBlockN; kk += 16) {
-      unsigned a[kMT][4];
-#pragma unroll
-      for (int i = 0; i < kMT; ++i) c_to_a<kBf16>(s[i], kk / 16, a[i]);
-      mma_rows<kBf16>(acc, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4_trans(bf, frag_v(v_tile(stage), kk, n / 8));
-      });
-    }
+    mma_c_b<kBf16>(acc, s, frag_v, v_tile(stage), 0);
   }
   // Every thread's copies have landed (the Q tile too, when no kv tile was visited).
   cp_async_wait<0>();

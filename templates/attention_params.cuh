@@ -45,3 +45,47 @@ struct FlexcAttentionBwdParams {
 struct alignas(64) FlexcTensorMap {
   unsigned long long opaque[16];
 };
+
+// The decode kernel's arguments (templates/attention_decode.cuh): Q_LEN queries per sequence
+// against a KV cache of per-sequence lengths. q and o are [batch, q_heads, q_len, D / Dv] as
+// above. The cache is contiguous ([batch, kv_heads, capacity, D]: page_table null, strides are
+// batch, head, seq) or paged (k / v [num_pages, kv_heads, page_size, D] with any page / head /
+// slot strides, so NHD and HND layouts alike; key i of sequence b is slot i % page_size of page
+// page_table[b * page_table_stride + i / page_size]). Lengths, positions and the page table
+// are device data, read by the kernel: a step changes them without any host work.
+struct FlexcDecodeParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;       // may be null; [batch, q_heads, q_len] contiguous
+  float* o_part;    // splits > 1: [batch, q_heads, q_len, splits, Dv] float32 workspace
+  float* lse_part;  // splits > 1: [batch, q_heads, q_len, splits]
+  const int* kv_lens;     // [batch]: keys [0, kv_lens[b]) are attended
+  const int* q_offsets;   // [batch] or null: query i sits at position q_offsets[b] + i
+                          // (null: kv_lens[b] - q_len + i)
+  const int* page_table;  // null: contiguous
+  long long q_stride[3];
+  long long o_stride[3];
+  long long k_stride[3];  // contiguous: batch, head, seq; paged: page, head, slot
+  long long v_stride[3];
+  long long page_table_stride;
+  int batch, q_heads, kv_heads, q_len;
+  int capacity;   // keys a sequence can hold (contiguous: the cache's length; paged: the page
+                  // table's width x page_size); the length captures' Q_LEN / KV_LEN dims take
+  int num_pages;  // paged: page indices must lie in [0, num_pages)
+  int page_shift;  // paged: log2(page_size)
+  int splits;     // kv splits per sequence (gridDim.x)
+  float scale, scale_log2;
+};
+
+// The combine of partial attention results (templates/attention_combine.cuh): for each of
+// `rows` rows, `parts` (out, LSE) pairs, out normalised, in float32, merged as one softmax.
+struct FlexcCombineParams {
+  const float* o_part;    // [rows, parts, dv]
+  const float* lse_part;  // [rows, parts], natural log; -inf: the part saw no key
+  void* out;              // row r = (b * heads + h) * q_len + i at b, h, i of out_stride
+  float* lse;             // may be null; [rows]
+  long long out_stride[3];
+  int heads, q_len, rows, parts, dv;
+};

@@ -137,13 +137,16 @@ struct ScoreTile {
   // requires (flexc_hooks.cuh), and whether each row / column is inside its length. Computed
   // once per row / column. Never built when q_len or kv_len is 0: the host launches nothing for
   // q_len 0, and kv_len 0 leaves no tile to visit (a BlockMask needs kv_len >= 1).
+  // `head`: the query head of each row (rows along Q; the decode kernel packs a kv head's
+  // query heads into its rows); one head for the whole tile otherwise.
   struct Idx {
     int row[MT][2];
     int col[NT][2];
+    int head[MT][2];
     bool row_in[MT][2];
     bool col_in[NT][2];
 
-    __device__ __forceinline__ Idx(int row0, int col0, int row_len, int col_len) {
+    __device__ __forceinline__ Idx(int h, int row0, int col0, int row_len, int col_len) {
       const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int i = 0; i < MT; ++i)
@@ -152,7 +155,21 @@ struct ScoreTile {
           const int x = row0 + i * 16 + (lane >> 2) + r * 8;
           row[i][r] = min(x, row_len - 1);
           row_in[i][r] = x < row_len;
+          head[i][r] = h;
         }
+      set_cols(col0, col_len);
+    }
+    // Rows given per row (already inside their length), columns from col0.
+    __device__ __forceinline__ Idx(const int (&q_idx)[MT][2], const int (&h)[MT][2], int col0,
+                                   int col_len) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) row[i][r] = q_idx[i][r], head[i][r] = h[i][r], row_in[i][r] = true;
+      set_cols(col0, col_len);
+    }
+    __device__ __forceinline__ void set_cols(int col0, int col_len) {
+      const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -164,13 +181,15 @@ struct ScoreTile {
     }
   };
 
-  __device__ __forceinline__ static Idx index(int row0, int col0, const FlexcAttentionParams& p) {
-    return R == Rows::Q ? Idx(row0, col0, p.q_len, p.kv_len) : Idx(row0, col0, p.kv_len, p.q_len);
+  __device__ __forceinline__ static Idx index(int h, int row0, int col0,
+                                              const FlexcAttentionParams& p) {
+    return R == Rows::Q ? Idx(h, row0, col0, p.q_len, p.kv_len)
+                        : Idx(h, row0, col0, p.kv_len, p.q_len);
   }
 
-  // Calls f(i, j, e, q_idx, kv_idx, in) for every score s[i][j][e] this thread holds. `in`: the
-  // element lies inside both lengths; for rows along Q only the kv length is checked (rows past
-  // q_len are never stored).
+  // Calls f(i, j, e, h, q_idx, kv_idx, in) for every score s[i][j][e] this thread holds. `in`:
+  // the element lies inside both lengths; for rows along Q only the kv length is checked (rows
+  // past q_len are never stored).
   template <class F>
   __device__ __forceinline__ static void for_each(const Idx& idx, F f) {
 #pragma unroll
@@ -179,11 +198,11 @@ struct ScoreTile {
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = idx.row[i][e >> 1], c = idx.col[j][e & 1];
+          const int r = idx.row[i][e >> 1], c = idx.col[j][e & 1], h = idx.head[i][e >> 1];
           if constexpr (R == Rows::Q) {
-            f(i, j, e, r, c, idx.col_in[j][e & 1]);
+            f(i, j, e, h, r, c, idx.col_in[j][e & 1]);
           } else {
-            f(i, j, e, c, r, idx.row_in[i][e >> 1] & idx.col_in[j][e & 1]);
+            f(i, j, e, h, c, r, idx.row_in[i][e >> 1] & idx.col_in[j][e & 1]);
           }
         }
   }
@@ -209,7 +228,7 @@ struct ScoreTile {
     if constexpr (kScoreCols > 0) {
       if constexpr (FlexcVariant::kScoreColumnsAffine)
         if (load_column_pairs(c, p, args, b, h, col0)) return;
-      const Idx idx = index(0, col0, p);  // (rows unused)
+      const Idx idx = index(h, 0, col0, p);  // (rows unused)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -293,9 +312,16 @@ struct ScoreTile {
                                                     const FlexcArgs& args, int b, int h, int row0,
                                                     int col0, bool partial,
                                                     const Columns* cols = nullptr) {
-    const Idx idx = index(row0, col0, p);
+    apply_mods_at<GRAD>(s, grad, p, args, b, index(h, row0, col0, p), row0, col0, partial, cols);
+  }
+  // The same at the positions `idx` (the decode kernel's packed rows).
+  template <bool GRAD = false>
+  __device__ __forceinline__ static void apply_mods_at(
+      float (&s)[MT][NT][4], float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
+      const FlexcAttentionParams& p, const FlexcArgs& args, int b, const Idx& idx, int row0,
+      int col0, bool partial, const Columns* cols = nullptr) {
     if constexpr (!FlexcVariant::kIdentityScore) {
-      for_each(idx, [&](int i, int j, int e, int q_idx, int kv_idx, bool) {
+      for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool) {
         const float x = s[i][j][e] * p.scale;
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
@@ -308,7 +334,7 @@ struct ScoreTile {
     }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
       if (partial) {
-        for_each(idx, [&](int i, int j, int e, int q_idx, int kv_idx, bool in) {
+        for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool in) {
           const bool keep =
               in & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
           s[i][j][e] = keep ? s[i][j][e] : neg_inf();
@@ -317,7 +343,7 @@ struct ScoreTile {
       }
     }
     if (crosses_edge(row0, col0, p)) {
-      for_each(idx, [&](int i, int j, int e, int, int, bool in) {
+      for_each(idx, [&](int i, int j, int e, int, int, int, bool in) {
         s[i][j][e] = in ? s[i][j][e] : neg_inf();
       });
     }

@@ -244,6 +244,23 @@ __device__ __forceinline__ void c_to_a(const float (&c)[NT][4], int kk, unsigned
   a[3] = pack2<BF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// acc += C B: a warp's MT x NT C fragments (P, dS) as the A operand, in the input type, times
+// rows [row0, row0 + 8 NT) of a [k][n] shared-memory tile read with ldmatrix .trans at `frag`
+// (P.V, P^T dO, dS^T Q, dS K).
+template <bool BF16, int MT, int NT, int DT, class Frag>
+__device__ __forceinline__ void mma_c_b(float (&acc)[MT][DT][4], const float (&c)[MT][NT][4],
+                                        const Frag& frag, unsigned tile, int row0) {
+#pragma unroll
+  for (int kk = 0; kk < NT * 8; kk += 16) {
+    unsigned a[MT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) c_to_a<BF16>(c[i], kk / 16, a[i]);
+    mma_rows<BF16>(acc, a, [&](unsigned(&b)[4], int n) {
+      ldmatrix_x4_trans(b, frag(tile, row0 + kk, n / 8));
+    });
+  }
+}
+
 // 2^x on the special-function unit; 2^-inf = +0.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -118,18 +118,20 @@ def density(mask_mod, s, device):
     return kept / (s * s)
 
 
-def time_ms(fn, reps):
-    for _ in range(3):
+def time_ms(fn, reps, inner=1, warmup=3):
+    """Median over `reps` runs of the mean time of `inner` back-to-back calls of fn."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / inner)
     times.sort()
     return times[len(times) // 2]
 

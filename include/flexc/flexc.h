@@ -1,10 +1,12 @@
 // flexc's public C++ API in one include: variants (flexc/variant.h), BlockMasks
-// (flexc/blockmask.h), the forward attention kernel (flexc/attention.h) and its tensor views
+// (flexc/blockmask.h), the attention kernels (flexc/attention.h), decode over a KV cache
+// (flexc/decode.h) and their tensor views
 // (flexc/tensor.h), the float64 CPU reference (flexc/reference.h) and .npy files (flexc/npy.h).
 #pragma once
 
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/decode.h"
 #include "flexc/error.h"
 #include "flexc/npy.h"
 #include "flexc/reference.h"

@@ -33,6 +33,12 @@ struct ReferenceProblem {
   DType dtype = DType::BF16;  // the kernel's dtype: where `ref` rounds
   // Rows to compute, each (b * Hq + h) * Q_LEN + q_idx; empty: every row.
   std::vector<int64_t> rows;
+  // Decode (flexc::decode) when set, one per batch: k and v are the cache, KV_LEN its capacity;
+  // sequence b has kv_lens[b] keys and its query i sits at position q_offsets[b] + i (q_offsets
+  // empty: kv_lens[b] - Q_LEN + i). The mods see q_idx = that position, q_len = the position
+  // after the last query, kv_len = kv_lens[b]; captures' Q_LEN dims take KV_LEN. A query at a
+  // position outside [0, KV_LEN) has no keys.
+  std::vector<int64_t> kv_lens, q_offsets;
 };
 
 struct ReferenceResult {

@@ -21,7 +21,10 @@ namespace flexc::jit {
   X(cuMemcpyDtoH) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemsetD8) X(cuMemsetD8Async)    \
   X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamWaitEvent)             \
   X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)                     \
-  X(cuEventElapsedTime) X(cuTensorMapEncodeTiled) X(cuMemAllocAsync) X(cuMemFreeAsync)
+  X(cuEventElapsedTime) X(cuTensorMapEncodeTiled) X(cuMemAllocAsync) X(cuMemFreeAsync)        \
+  X(cuMemPoolCreate) X(cuMemPoolSetAttribute) X(cuMemAllocFromPoolAsync) X(cuStreamBeginCapture) \
+  X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphExecDestroy)             \
+  X(cuGraphDestroy)
 // clang-format on
 
 struct DriverApi {

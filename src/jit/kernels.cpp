@@ -31,6 +31,8 @@ constexpr KnownKernel kKernels[] = {
     {"attention_bwd_sm90_deterministic",
      "backward attention for Hopper, dq left to attention_bwd_deterministic's dq_rows",
      &attention_bwd_sm90_deterministic_spec, "sm_90a"},
+    {"attention_decode", "decode attention over a KV cache (split-KV, paged, mma.sync, sm_80+)",
+     &attention_decode_spec},
     {"mods_eval", "the variant's mods over a grid of indices (tests)", &mods_eval_spec},
     {"blockmask_classify", "BlockMask: mask_mod over the tiles the analysis left undecided",
      &blockmask_classify_spec},

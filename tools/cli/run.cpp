@@ -3,7 +3,9 @@
 // dout.npy] [--dq dq.npy] [--dk dk.npy] [--dv dv.npy] [--capture-grad NAME=FILE.npy]]`: forward
 // (and backward) attention of a variant on the GPU, end to end, from and to .npy files (or
 // --random inputs); --check compares with the float64 CPU reference under the tolerance rule
-// (docs/attention.md) and exits 1 on failure.
+// (docs/attention.md) and exits 1 on failure. With --kv-lens it runs flexc::decode instead: K / V
+// are the cache (KV_LEN its capacity), contiguous or, with --page-size, paged through a shuffled
+// page table.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +21,7 @@
 #include "cli/command.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/decode.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/npy.h"
@@ -39,7 +42,28 @@ struct Options {
   bool check = false, dense = false;
   int64_t check_rows = 4096;
   std::string kernel = "auto";
+  std::string kv_lens, q_offsets;  // decode: comma lists, one value or one per batch
+  int64_t page_size = 0, splits = 0;
 };
+
+// A --kv-lens / --q-offsets list: one value for every batch, or one per batch.
+std::vector<int64_t> parse_list(const std::string& text, const char* option, int64_t lo) {
+  std::vector<int64_t> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');)
+    out.push_back(parse_int(item, fmt::format("{} '{}'", option, printable(text)), lo, kMaxInt32));
+  if (out.empty() || std::count(text.begin(), text.end(), ',') + 1 != static_cast<long>(out.size()))
+    throw Error(fmt::format("{} '{}': expected one integer or one per batch, comma-separated",
+                            option, printable(text)));
+  return out;
+}
+std::vector<int64_t> per_batch(std::vector<int64_t> values, int64_t B, const char* option) {
+  if (values.size() == 1) values.assign(B, values[0]);
+  if (static_cast<int64_t>(values.size()) != B)
+    throw Error(fmt::format("{}: {} values for B = {} (give one, or one per batch)", option,
+                            values.size(), B));
+  return values;
+}
 
 // A [B, H, S, D] input on the host: the values the kernel sees (rounded to its dtype) and their
 // 16-bit encoding.
@@ -101,7 +125,7 @@ Input random_input(std::vector<int64_t> shape, std::mt19937_64& rng, DType dtype
 // score elements, each of D multiply-adds several times over. Past this it would take minutes.
 constexpr int64_t kMaxBackwardCheckElements = int64_t{1} << 26;
 
-std::vector<float> decode(const flexc::DeviceBuffer& b, size_t n, DType dtype) {
+std::vector<float> download_16bit(const flexc::DeviceBuffer& b, size_t n, DType dtype) {
   const std::vector<uint16_t> bits = b.to_vector<uint16_t>(n);
   std::vector<float> out(n);
   for (size_t i = 0; i < n; ++i)
@@ -113,6 +137,125 @@ flexc::DeviceBuffer upload(const void* data, size_t bytes) {
   flexc::DeviceBuffer b(std::max<size_t>(bytes, 16));
   b.upload(data, bytes);
   return b;
+}
+
+// --check: a random sample of at most --check-rows rows against the float64 reference; exits 1
+// when the tolerance rule fails.
+void check_rows(const Options& o, const Variant& variant, const ReferenceProblem& ref,
+                const std::vector<float>& out, const std::vector<float>& lse,
+                std::mt19937_64& rng) {
+  const int64_t rows = ref.batch * ref.q_heads * ref.q_len, Dv = ref.v_head_dim;
+  ReferenceProblem sample = ref;
+  if (rows > o.check_rows) {  // a random sample of rows, sorted
+    std::uniform_int_distribution<int64_t> pick(0, rows - 1);
+    for (int64_t i = 0; i < o.check_rows; ++i) sample.rows.push_back(pick(rng));
+    std::sort(sample.rows.begin(), sample.rows.end());
+    sample.rows.erase(std::unique(sample.rows.begin(), sample.rows.end()), sample.rows.end());
+  }
+  const ReferenceResult r = reference_attention(variant, sample);
+  std::vector<float> out_rows, lse_rows;
+  for (int64_t row : r.rows) {
+    out_rows.insert(out_rows.end(), out.begin() + row * Dv, out.begin() + (row + 1) * Dv);
+    lse_rows.push_back(lse[row]);
+  }
+  const Accuracy acc = check_accuracy(r, out_rows, lse_rows);
+  fmt::print("check ({} of {} rows, seed {}): {}\n", r.rows.size(), rows, o.seed, acc.summary());
+  if (!acc.pass) throw CLI::RuntimeError(1);
+}
+
+// --kv-lens: flexc::decode on K / V as the cache (KV_LEN its capacity), paged with --page-size
+// through a shuffled page table, so that no page follows its predecessor in memory.
+void run_decode(const Options& o, const Variant& variant, DType dtype, const Input& q,
+                const Input& k, const Input& v, const AttentionOptions& opts, ReferenceProblem ref,
+                std::mt19937_64& rng) {
+  const int64_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], D = q.shape[3];
+  const int64_t Hkv = k.shape[1], cap = k.shape[2], Dv = v.shape[3];
+  const std::vector<int64_t> lens = per_batch(parse_list(o.kv_lens, "--kv-lens", 0), B, "--kv-lens");
+  for (int64_t b = 0; b < B; ++b)
+    if (lens[b] > cap)
+      throw Error(fmt::format("--kv-lens: {} for batch {} is above the cache's KV_LEN {}", lens[b],
+                              b, cap));
+  std::vector<int64_t> offsets;
+  if (!o.q_offsets.empty())
+    offsets = per_batch(parse_list(o.q_offsets, "--q-offsets", 0), B, "--q-offsets");
+  const int64_t ps = o.page_size;
+  // Pages: a random permutation of B x pages-per-sequence pages.
+  const int64_t pages_per_seq = ps ? (cap + ps - 1) / ps : 0, num_pages = B * pages_per_seq;
+  std::vector<int32_t> table(num_pages);
+  for (int64_t i = 0; i < num_pages; ++i) table[i] = static_cast<int32_t>(i);
+  std::shuffle(table.begin(), table.end(), rng);
+  // K / V in the cache's layout: contiguous as given, or [NUM_PAGES, Hkv, PAGE_SIZE, D].
+  auto layout = [&](const Input& in, int64_t d) {
+    if (!ps) return in.bits;
+    checked_bytes({num_pages, Hkv, ps, d}, 2, "--page-size (the paged cache)");
+    std::vector<uint16_t> paged(num_pages * Hkv * ps * d, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t j = 0; j < cap; ++j) {
+          const int64_t page = table[b * pages_per_seq + j / ps];
+          std::copy_n(in.bits.begin() + ((b * Hkv + h) * cap + j) * d, d,
+                      paged.begin() + ((page * Hkv + h) * ps + j % ps) * d);
+        }
+    return paged;
+  };
+  const std::vector<uint16_t> k_bits = layout(k, D), v_bits = layout(v, Dv);
+  const std::vector<int64_t> k_shape = ps ? std::vector<int64_t>{num_pages, Hkv, ps, D} : k.shape;
+  const std::vector<int64_t> v_shape = ps ? std::vector<int64_t>{num_pages, Hkv, ps, Dv} : v.shape;
+  std::vector<int32_t> lens32(lens.begin(), lens.end()), offsets32(offsets.begin(), offsets.end());
+
+  flexc::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
+  flexc::DeviceBuffer k_dev = upload(k_bits.data(), k_bits.size() * 2);
+  flexc::DeviceBuffer v_dev = upload(v_bits.data(), v_bits.size() * 2);
+  flexc::DeviceBuffer lens_dev = upload(lens32.data(), lens32.size() * 4);
+  flexc::DeviceBuffer offsets_dev = upload(offsets32.data(), offsets32.size() * 4);
+  flexc::DeviceBuffer table_dev = upload(table.data(), table.size() * 4);
+  const std::vector<int64_t> out_shape{B, Hq, Lq, Dv};
+  flexc::DeviceBuffer out_dev(std::max<size_t>(B * Hq * Lq * Dv * 2, 16));
+  flexc::DeviceBuffer lse_dev(std::max<size_t>(B * Hq * Lq * 4, 16));
+  out_dev.fill(0xff);  // NaN: an element the kernel missed cannot pass for a result
+  lse_dev.fill(0xff);
+
+  KvCache cache;
+  cache.k = TensorView{k_dev.get(), dtype, k_shape, {}};
+  cache.v = TensorView{v_dev.get(), dtype, v_shape, {}};
+  cache.kv_lens = TensorView{lens_dev.get(), DType::I32, {B}, {}};
+  if (ps) cache.page_table = TensorView{table_dev.get(), DType::I32, {B, pages_per_seq}, {}};
+  if (!offsets.empty()) cache.q_offsets = TensorView{offsets_dev.get(), DType::I32, {B}, {}};
+  DecodeOptions dopts;
+  dopts.captures = opts.captures;
+  dopts.params = opts.params;
+  dopts.scale = o.scale;
+  dopts.lse = TensorView{lse_dev.get(), DType::F32, {B, Hq, Lq}, {}};
+  dopts.num_splits = static_cast<int>(o.splits);
+  dopts.check_device_args = true;  // the CLI checks what it was given; then times without it
+  const TensorView qv{q_dev.get(), dtype, q.shape, {}}, ov{out_dev.get(), dtype, out_shape, {}};
+  const auto t0 = std::chrono::steady_clock::now();
+  decode(qv, cache, ov, variant, dopts);
+  flexc::synchronize_device();
+  const double first_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  dopts.check_device_args = false;
+  flexc::EventTimer timer;
+  timer.start(dopts.stream);
+  decode(qv, cache, ov, variant, dopts);
+  timer.stop(dopts.stream);
+  const double ms = timer.elapsed_ms();
+  int64_t keys = 0;
+  for (int64_t len : lens) keys += len;
+  const double gb = double(keys) * Hkv * (D + Dv) * 2 / 1e9;
+  fmt::print("{} {} decode: B {} Hq {} Hkv {} Q_LEN {} capacity {} D {}{}, {}: first call {:.1f} "
+             "ms (compile or cache), kernels {:.3f} ms ({:.0f} GB/s on {:.3f} GB of K and V)\n",
+             variant.name(), o.dtype, B, Hq, Hkv, Lq, cap, D, Dv != D ? fmt::format(" Dv {}", Dv) : "",
+             ps ? fmt::format("{} pages of {}", num_pages, ps) : std::string("contiguous"), first_ms,
+             ms, gb / (ms / 1e3), gb);
+  const std::vector<float> out = download_16bit(out_dev, B * Hq * Lq * Dv, dtype);
+  const std::vector<float> lse = lse_dev.to_vector<float>(B * Hq * Lq);
+  if (!o.out.empty()) npy::write(o.out, npy::from_float(out_shape, out));
+  if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, lse));
+  if (!o.check) return;
+  ref.kv_lens = lens;
+  ref.q_offsets = offsets;
+  check_rows(o, variant, ref, out, lse, rng);
 }
 
 void run(const Options& o) {
@@ -145,6 +288,16 @@ void run(const Options& o) {
     if (!captures.contains(name))
       throw Error(fmt::format("--capture-grad {}: pass the capture too (--capture {}=FILE.npy)",
                               name, name));
+  }
+  if (o.kv_lens.empty() && (o.page_size || o.splits || !o.q_offsets.empty()))
+    throw Error(fmt::format("{} needs --kv-lens (the decode path)",
+                            o.page_size ? "--page-size" : o.splits ? "--splits" : "--q-offsets"));
+  if (!o.kv_lens.empty()) {
+    parse_list(o.kv_lens, "--kv-lens", 0);
+    if (!o.q_offsets.empty()) parse_list(o.q_offsets, "--q-offsets", 0);
+    if (o.backward) throw Error("--backward is not part of the decode path (--kv-lens)");
+    if (o.page_size & (o.page_size - 1))
+      throw Error(fmt::format("--page-size {} must be a power of two", o.page_size));
   }
   std::vector<int64_t> sizes;
   if (!o.random.empty()) sizes = parse_sizes(o.random);
@@ -200,6 +353,11 @@ void run(const Options& o) {
   bmo.params = opts.params;
   opts.scale = o.scale;
   opts.kernel = kernel;
+  ref.q = q.values, ref.k = k.values, ref.v = v.values;
+  ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
+  ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
+  ref.dtype = dtype;
+  if (!o.kv_lens.empty()) return run_decode(o, variant, dtype, q, k, v, opts, ref, rng);
 
   flexc::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
   flexc::DeviceBuffer k_dev = upload(k.bits.data(), k.bits.size() * 2);
@@ -231,10 +389,7 @@ void run(const Options& o) {
   timer.stop(opts.stream);
   const double kernel_ms = timer.elapsed_ms();
 
-  std::vector<uint16_t> out_bits = out_dev.to_vector<uint16_t>(out_numel);
-  std::vector<float> out(out_bits.size());
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = dtype == DType::BF16 ? bf16_to_float(out_bits[i]) : fp16_to_float(out_bits[i]);
+  const std::vector<float> out = download_16bit(out_dev, out_numel, dtype);
   const std::vector<float> lse = lse_dev.to_vector<float>(B * Hq * Lq);
   if (!o.out.empty()) npy::write(o.out, npy::from_float(out_shape, out));
   if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, lse));
@@ -244,29 +399,7 @@ void run(const Options& o) {
              Dv != D ? fmt::format(" Dv {}", Dv) : "",
              bm ? fmt::format(", BlockMask sparsity {:.1f}%", bm->sparsity()) : "", first_ms,
              kernel_ms);
-  ref.q = q.values, ref.k = k.values, ref.v = v.values;
-  ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
-  ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
-  ref.dtype = dtype;
-  if (o.check) {
-    const int64_t rows = B * Hq * Lq;
-    ReferenceProblem sample = ref;
-    if (rows > o.check_rows) {  // a random sample of rows, sorted
-      std::uniform_int_distribution<int64_t> pick(0, rows - 1);
-      for (int64_t i = 0; i < o.check_rows; ++i) sample.rows.push_back(pick(rng));
-      std::sort(sample.rows.begin(), sample.rows.end());
-      sample.rows.erase(std::unique(sample.rows.begin(), sample.rows.end()), sample.rows.end());
-    }
-    const ReferenceResult r = reference_attention(variant, sample);
-    std::vector<float> out_rows, lse_rows;
-    for (int64_t row : r.rows) {
-      out_rows.insert(out_rows.end(), out.begin() + row * Dv, out.begin() + (row + 1) * Dv);
-      lse_rows.push_back(lse[row]);
-    }
-    const Accuracy acc = check_accuracy(r, out_rows, lse_rows);
-    fmt::print("check ({} of {} rows, seed {}): {}\n", r.rows.size(), rows, o.seed, acc.summary());
-    if (!acc.pass) throw CLI::RuntimeError(1);
-  }
+  if (o.check) check_rows(o, variant, ref, out, lse, rng);
   if (!o.backward) return;
   if (Dv != D)
     throw Error(fmt::format("--backward: v's head dim {} differs from q's {}; the backward kernels "
@@ -318,8 +451,9 @@ void run(const Options& o) {
         pass == 0 ? std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - b0).count()
                   : bt.elapsed_ms();
   }
-  const std::vector<float> gdq = decode(dq_dev, q.bits.size(), dtype), gdk = decode(dk_dev, k.bits.size(), dtype),
-                           gdv = decode(dv_dev, v.bits.size(), dtype);
+  const std::vector<float> gdq = download_16bit(dq_dev, q.bits.size(), dtype),
+                           gdk = download_16bit(dk_dev, k.bits.size(), dtype),
+                           gdv = download_16bit(dv_dev, v.bits.size(), dtype);
   std::map<std::string, std::vector<float>, std::less<>> gcap;
   for (size_t i = 0; i < grad_names.size(); ++i)
     gcap[grad_names[i]] = dev_grads[i].to_vector<float>(grads.captures[grad_names[i]].numel());
@@ -399,6 +533,19 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_flag("--deterministic", o->deterministic,
                 "with --backward: dq without atomics, bitwise reproducible");
   cmd->add_flag("--dense", o->dense, "no BlockMask: visit every tile, mask_mod on each");
+  cmd->add_option("--kv-lens", o->kv_lens,
+                  "decode (flexc::decode): K / V are a cache of capacity KV_LEN and sequence b "
+                  "holds this many keys; one value, or one per batch (L0,L1,...)");
+  cmd->add_option("--q-offsets", o->q_offsets,
+                  "with --kv-lens: the position of each sequence's first query (default: "
+                  "kv_len - Q_LEN, the sequence's last tokens)");
+  cmd->add_option("--page-size", o->page_size,
+                  "with --kv-lens: a paged cache of this many keys per page (a power of two), "
+                  "through a shuffled page table")
+      ->check(int_range(1, int64_t{1} << 20));
+  cmd->add_option("--splits", o->splits, "with --kv-lens: force this many KV splits (default: "
+                                         "chosen to fill the GPU)")
+      ->check(int_range(1, 256));
   cmd->callback([o] { run(*o); });
 });
 

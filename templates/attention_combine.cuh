@@ -1,0 +1,81 @@
+// The combine of partial attention results: rows whose keys were split into parts (the decode
+// kernel's kv splits; later, ring attention's steps), each part's output normalised over its own
+// keys with that part's LSE, merged into the softmax over all keys:
+//   lse = log sum_p exp(lse_p),  out = sum_p exp(lse_p - lse) out_p.
+// A part that saw no key (LSE -inf) weighs 0; a row whose parts all saw none gets out 0 and LSE
+// -inf, never NaN. A NaN LSE (a part that flagged a bad argument) makes the row NaN.
+//
+// One warp per row; lanes take 4 columns at a time. FLEXC_BF16 picks the output type.
+#pragma once
+
+#include "attention_params.cuh"
+#include "tile_mma.cuh"
+
+namespace flexc_combine {
+
+constexpr int kWarps = 4;
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// Weights of a row's parts: w_p = exp(lse_p - max) (natural-log units), their sum and the row's
+// LSE. Part p's weight is taken by each lane on its own, so parts may be any number.
+struct RowWeights {
+  float max = neg_inf(), sum = 0.f, lse = neg_inf();
+  bool nan = false;
+
+  __device__ __forceinline__ RowWeights(const float* lse_part, int parts) {
+    const int lane = threadIdx.x & 31;
+    for (int p = lane; p < parts; p += 32) {
+      const float l = lse_part[p];
+      nan |= l != l;
+      max = fmaxf(max, l);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, o));
+    nan = __any_sync(0xffffffffu, nan);
+    for (int p = lane; p < parts; p += 32) sum += weight(lse_part[p]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (nan) {
+      lse = __int_as_float(0x7fffffff);
+    } else if (max != neg_inf()) {
+      lse = max + logf(sum);
+    }
+  }
+  // Part weight, 0 for a part without keys (exp(-inf) = 0; the max is finite when any part has
+  // keys, so no -inf - -inf).
+  __device__ __forceinline__ float weight(float lse_p) const {
+    return max == neg_inf() ? 0.f : __expf(lse_p - max);
+  }
+};
+
+}  // namespace flexc_combine
+
+extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
+    flexc_attention_combine(const FlexcCombineParams p) {
+  using namespace flexc_combine;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (row >= p.rows) return;
+  const int lane = threadIdx.x & 31;
+  const float* lse_part = p.lse_part + static_cast<long long>(row) * p.parts;
+  const float* o_part = p.o_part + static_cast<long long>(row) * p.parts * p.dv;
+  const RowWeights w(lse_part, p.parts);
+  const float inv = w.nan ? w.lse : w.sum > 0.f ? 1.f / w.sum : 0.f;  // NaN rows stay NaN
+  const int b = row / (p.heads * p.q_len), h = row / p.q_len % p.heads, i = row % p.q_len;
+  auto* out = static_cast<unsigned short*>(p.out) + b * p.out_stride[0] + h * p.out_stride[1] +
+              i * p.out_stride[2];
+  for (int c = lane * 4; c < p.dv; c += 128) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int part = 0; part < p.parts; ++part) {
+      const float wp = w.weight(lse_part[part]);
+      if (wp == 0.f) continue;  // also skips a part's unwritten (or NaN-free zero) output
+      const float4 o = *reinterpret_cast<const float4*>(o_part + part * p.dv + c);
+      acc[0] += wp * o.x, acc[1] += wp * o.y, acc[2] += wp * o.z, acc[3] += wp * o.w;
+    }
+    uint2 packed;
+    packed.x = flexc_tile::pack2<FLEXC_BF16 != 0>(acc[0] * inv, acc[1] * inv);
+    packed.y = flexc_tile::pack2<FLEXC_BF16 != 0>(acc[2] * inv, acc[3] * inv);
+    *reinterpret_cast<uint2*>(out + c) = packed;
+  }
+  if (p.lse != nullptr && lane == 0) p.lse[row] = w.lse;
+}
