@@ -24,7 +24,7 @@
 // structs out like g++; a change here must be deliberate).
 static_assert(offsetof(FlexcAttentionParams, q_stride) == 40 &&
               offsetof(FlexcAttentionParams, batch) == 136 &&
-              offsetof(FlexcAttentionParams, scale_log2) == 160 &&
+              offsetof(FlexcAttentionParams, scale_log2) == 164 &&
               sizeof(FlexcAttentionParams) == 168);
 
 namespace flexc {
@@ -266,6 +266,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
+  if (opts.q_offset < 0 || opts.q_offset > kMaxInt - 256 - q_len)
+    fail(fmt::format("q_offset = {} must be >= 0 with q_offset + Q_LEN within int32",
+                     opts.q_offset));
   if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
   // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
   // an output sharing memory with another operand, gives a result that depends on block order.
@@ -277,15 +280,19 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (opts.lse)
     for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}})
       if (detail::overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
-  if (opts.block_mask)
+  if (opts.block_mask) {
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, portable.block_m,
                              portable.block_n);
+    if (opts.block_mask->q_offset() != opts.q_offset)
+      fail(fmt::format("block_mask was built with q_offset {}; the call has {}",
+                       opts.block_mask->q_offset(), opts.q_offset));
+  }
 
   const detail::VariantImpl& impl = detail::impl_of(variant);
   const std::string what = fmt::format("flexc::attention for '{}'", impl.name);
   const std::vector<double> params = detail::resolve_params(impl, opts.params, what);
   const auto captures =
-      detail::resolve_captures(impl, opts.captures, {B, Hq, q_len, kv_len}, what);
+      detail::resolve_captures(impl, opts.captures, {B, Hq, opts.q_offset + q_len, kv_len}, what);
   if (q_len == 0) return;
 
   const detail::DeviceLimits dev = detail::device_limits();
@@ -311,7 +318,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     p.v_stride[i] = v.stride(i), p.o_stride[i] = out.stride(i);
   }
   p.batch = int(B), p.q_heads = int(Hq), p.kv_heads = int(Hkv);
-  p.q_len = int(q_len), p.kv_len = int(kv_len);
+  p.q_len = int(q_len), p.kv_len = int(kv_len), p.q_pos0 = int(opts.q_offset);
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   FlexcArgs args = detail::kernel_args(impl, params, captures);

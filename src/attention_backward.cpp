@@ -175,6 +175,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (opts.block_mask)
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, cfg.block_m,
                              cfg.block_n);
+  if (opts.block_mask && opts.block_mask->q_offset() != 0)
+    fail(fmt::format("block_mask was built with q_offset {}; the backward computes queries at "
+                     "positions 0.. only (chunked prefill is forward-only)",
+                     opts.block_mask->q_offset()));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
   const std::string hopper_misfit =
       detail::hopper_misfit("Hopper backward kernel", [&] { return detail::bwd_config_sm90(int(D)); },

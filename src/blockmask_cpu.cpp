@@ -18,13 +18,13 @@ TileKind classify_tile_cpu(const MaskProblem& p, int64_t b, int64_t h, int64_t q
   dsl::EvalEnv env;
   env.ints[static_cast<int>(dsl::Input::B)] = b;
   env.ints[static_cast<int>(dsl::Input::H)] = h;
-  env.ints[static_cast<int>(dsl::Input::QLen)] = p.q_len;
+  env.ints[static_cast<int>(dsl::Input::QLen)] = p.hook_q_len();
   env.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
   env.params = p.params;
   env.captures = p.captures;
   bool seen_true = false, seen_false = false;
   auto eval = [&](int64_t q, int64_t k) {
-    env.ints[static_cast<int>(dsl::Input::QIdx)] = q;
+    env.ints[static_cast<int>(dsl::Input::QIdx)] = p.q_offset + q;
     env.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
     (dsl::evaluate(*p.mask, env, dsl::Precision::F32, scratch).i ? seen_true : seen_false) = true;
     return seen_true && seen_false;
@@ -79,14 +79,15 @@ namespace flexc {
 double mask_density(const Variant& v, const BlockMask& bm, int64_t B, int64_t H,
                     const BlockMaskOptions& opts) {
   const detail::MaskProblem p = detail::resolve_problem(v, B, H, bm.q_len(), bm.kv_len(), opts);
-  if (p.nb != bm.nb() || p.nh != bm.nh() || p.q_tile != bm.q_tile() || p.kv_tile != bm.kv_tile())
+  if (p.nb != bm.nb() || p.nh != bm.nh() || p.q_tile != bm.q_tile() || p.kv_tile != bm.kv_tile() ||
+      p.q_offset != bm.q_offset())
     throw Error(fmt::format(
         "mask_density: the BlockMask ({} x {} groups, {} x {} tiles) was not built for '{}' with "
         "B {}, H {} and these options",
         bm.nb(), bm.nh(), bm.q_tile(), bm.kv_tile(), p.variant_name, B, H));
   if (p.q_len == 0 || p.kv_len == 0) return 0.0;
   dsl::EvalEnv env;
-  env.ints[static_cast<int>(dsl::Input::QLen)] = p.q_len;
+  env.ints[static_cast<int>(dsl::Input::QLen)] = p.hook_q_len();
   env.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
   env.params = p.params;
   env.captures = p.captures;
@@ -105,7 +106,7 @@ double mask_density(const Variant& v, const BlockMask& bm, int64_t B, int64_t H,
           env.ints[static_cast<int>(dsl::Input::H)] = h;
           for (int64_t q = q0; q < q1; ++q)
             for (int64_t k = k0; k < k1; ++k) {
-              env.ints[static_cast<int>(dsl::Input::QIdx)] = q;
+              env.ints[static_cast<int>(dsl::Input::QIdx)] = p.q_offset + q;
               env.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
               kept += dsl::evaluate(*p.mask, env, dsl::Precision::F32, scratch).i != 0;
             }

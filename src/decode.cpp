@@ -291,7 +291,9 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
     c.heads = int(Hq), c.q_len = int(q_len), c.rows = int(out_rows), c.parts = splits,
     c.dv = int(Dv);
     void* cargs[] = {&c};
-    combine.launch(unsigned((out_rows + 3) / 4), 1, 1, 128, 0, opts.stream, cargs);
+    // Launched early (programmatic dependent launch): it starts as the decode CTAs finish their
+    // loops and waits for their results, so its launch overlaps the decode's tail.
+    combine.launch(unsigned((out_rows + 3) / 4), 1, 1, 128, 0, opts.stream, cargs, true);
   }
 }
 

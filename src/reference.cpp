@@ -50,8 +50,12 @@ ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceP
       if (len < 0 || len > Lkv)
         throw Error(fmt::format("{}: kv_lens value {} is outside [0, KV_LEN = {}]", what, len, Lkv));
   }
+  if (p.q_offset < 0 || (p.q_offset != 0 && !p.kv_lens.empty()))
+    throw Error(fmt::format("{}: q_offset {} must be >= 0, and is for prefill (decode takes "
+                            "q_offsets)",
+                            what, p.q_offset));
   // Decode positions index one sequence: captures' Q_LEN dims are the cache's length.
-  const int64_t capture_q_len = p.kv_lens.empty() ? Lq : Lkv;
+  const int64_t capture_q_len = p.kv_lens.empty() ? p.q_offset + Lq : Lkv;
   const auto views = resolve_captures(impl, p.captures, {B, Hq, capture_q_len, Lkv}, what);
   in.captures.resize(views.size());
   for (size_t slot = 0; slot < views.size(); ++slot) {
@@ -102,7 +106,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
       const int64_t b = row / (Hq * Lq), h = row / Lq % Hq, qi = row % Lq, hk = h / (Hq / Hkv);
       const float* q = p.q.data() + row * D;
       // The row's position, its sequence's length and the lengths the mods see.
-      int64_t pos = qi, keys = Lkv, hook_q_len = Lq;
+      int64_t pos = p.q_offset + qi, keys = Lkv, hook_q_len = p.q_offset + Lq;
       if (!p.kv_lens.empty()) {
         keys = p.kv_lens[b];
         pos = (p.q_offsets.empty() ? keys - Lq : p.q_offsets[b]) + qi;

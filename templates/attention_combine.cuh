@@ -54,6 +54,7 @@ struct RowWeights {
 extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_attention_combine(const FlexcCombineParams p) {
   using namespace flexc_combine;
+  flexc_tile::wait_primary();  // the parts' kernel may still run (launched early)
   const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
   if (row >= p.rows) return;
   const int lane = threadIdx.x & 31;

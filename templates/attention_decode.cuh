@@ -16,10 +16,10 @@
 // and their kv_len the sequence's length, so every variant means what it means in prefill. A row
 // at a position outside [0, capacity) has no keys (out 0, LSE -inf).
 //
-// Block sparsity without a BlockMask (lengths and positions change every step): each warp
-// classifies the coming tiles itself, a lane per tile (mask_mod over the tile's keys and query
-// rows; all warps reach the same verdicts), and skips empty ones before loading them, so a
-// sliding window reads only its window. Full tiles skip mask_mod when computed.
+// Block sparsity without a BlockMask (lengths and positions change every step): the CTA
+// classifies its coming tiles 128 at a time, a lane per tile (mask_mod over the tile's keys and
+// query rows), and skips empty ones before loading them, so a sliding window reads only its
+// window. Full tiles skip mask_mod when computed.
 //
 // Bad device arguments (a length outside [0, capacity], a page index outside [0, num_pages))
 // never read out of bounds: they make the CTA's output NaN.
@@ -208,22 +208,37 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
   __syncthreads();
 
   // The split's next tile to visit, or -1 when done; `partial`: mask_mod must run on it. Without
-  // a mask every tile is visited whole. Otherwise candidates are classified 32 at a time, lane l
-  // taking candidate window0 + l * splits (all its keys against the test rows); every warp reaches
-  // the same verdicts, so the CTA's warps agree without a barrier.
-  int window0 = split;  // the first candidate not yet classified
-  int window = 0;       // the first candidate of the classified window
-  unsigned keeps = 0, fulls = 0;  // per lane of the window: kept at all, kept whole
+  // a mask every tile is visited whole. Otherwise candidates are classified in rounds of
+  // 4 x 32: warp w takes window w, lane l of it candidate l (all its keys against the test
+  // rows), two ballots give the window's verdicts, and after a barrier every warp walks the
+  // same 128 verdicts from shared memory (double-buffered by round: a warp cannot be two rounds
+  // ahead of another across the barrier). All warps call this in step, so the barrier is safe.
+  __shared__ unsigned verdicts[2][kWarps][2];  // [round parity][window]: kept at all, kept whole
+  int round0 = split;  // the first candidate of the next round
+  int base = 0;        // the first candidate of the round being walked
+  int window = kWarps, parity = 1;
+  unsigned keeps = 0, fulls = 0;  // the window being walked, walked candidates cleared
   auto next_tile = [&](bool& partial) -> int {
     if constexpr (FlexcVariant::kMaskAlwaysTrue) {
       partial = false;
-      const int t = window0;
-      window0 += p.splits;
+      const int t = round0;
+      round0 += p.splits;
       return t < n_tiles ? t : -1;
     } else {
-      while (keeps == 0) {
-        if (window0 >= n_tiles) return -1;
-        const int t = window0 + lane * p.splits;
+      for (;;) {
+        if (keeps != 0) {
+          const int l = __ffs(keeps) - 1;
+          keeps &= keeps - 1;
+          partial = ((fulls >> l) & 1) == 0;
+          return base + (window * 32 + l) * p.splits;
+        }
+        if (++window < kWarps) {
+          keeps = verdicts[parity][window][0], fulls = verdicts[parity][window][1];
+          continue;
+        }
+        if (round0 >= n_tiles) return -1;
+        parity ^= 1;
+        const int t = round0 + (warp * 32 + lane) * p.splits;
         bool any = false, all = t < n_tiles;
         if (t < n_tiles) {
           const int kv_end = min((t + 1) * kBlockN, rows.kv_len);
@@ -234,15 +249,15 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
               any |= m, all &= m;
             }
         }
-        keeps = __ballot_sync(0xffffffffu, any);
-        fulls = __ballot_sync(0xffffffffu, any & all);
-        window = window0;
-        window0 += 32 * p.splits;
+        const unsigned k_bits = __ballot_sync(0xffffffffu, any);
+        const unsigned f_bits = __ballot_sync(0xffffffffu, any & all);
+        if (lane == 0) verdicts[parity][warp][0] = k_bits, verdicts[parity][warp][1] = f_bits;
+        __syncthreads();
+        base = round0;
+        round0 += kWarps * 32 * p.splits;
+        window = 0;
+        keeps = verdicts[parity][0][0], fulls = verdicts[parity][0][1];
       }
-      const int l = __ffs(keeps) - 1;
-      keeps &= keeps - 1;
-      partial = ((fulls >> l) & 1) == 0;
-      return window + l * p.splits;
     }
   };
 
@@ -349,6 +364,7 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
   }
   cp_async_wait<0>();
   bad = __syncthreads_or(bad);
+  launch_dependents();  // the combine may launch: it waits for this grid's writes
 
   // Merge the warps: each stages its rows' max, sum and unnormalised output; then every thread
   // combines 8 columns of a row across the warps and writes them.

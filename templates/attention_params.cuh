@@ -18,6 +18,8 @@ struct FlexcAttentionParams {
   long long o_stride[3];
   int batch, q_heads, kv_heads;  // q_heads % kv_heads == 0
   int q_len, kv_len;
+  int q_pos0;        // position of query row 0: the mods see q_idx = q_pos0 + row and
+                     // q_len = q_pos0 + q_len (chunked prefill; 0 otherwise)
   float scale;       // softmax scale: score_mod sees scale * q.k
   float scale_log2;  // scale * log2(e), for identity score_mods
 };

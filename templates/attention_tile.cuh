@@ -146,18 +146,21 @@ struct ScoreTile {
     bool row_in[MT][2];
     bool col_in[NT][2];
 
-    __device__ __forceinline__ Idx(int h, int row0, int col0, int row_len, int col_len) {
+    // Tensor rows / columns from row0 / col0, inside row_len / col_len; the hooks see them
+    // shifted by row_pos0 / col_pos0 (query positions, FlexcAttentionParams::q_pos0).
+    __device__ __forceinline__ Idx(int h, int row0, int col0, int row_len, int col_len,
+                                   int row_pos0 = 0, int col_pos0 = 0) {
       const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int x = row0 + i * 16 + (lane >> 2) + r * 8;
-          row[i][r] = min(x, row_len - 1);
+          row[i][r] = min(x, row_len - 1) + row_pos0;
           row_in[i][r] = x < row_len;
           head[i][r] = h;
         }
-      set_cols(col0, col_len);
+      set_cols(col0, col_len, col_pos0);
     }
     // Rows given per row (already inside their length), columns from col0.
     __device__ __forceinline__ Idx(const int (&q_idx)[MT][2], const int (&h)[MT][2], int col0,
@@ -166,25 +169,31 @@ struct ScoreTile {
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r) row[i][r] = q_idx[i][r], head[i][r] = h[i][r], row_in[i][r] = true;
-      set_cols(col0, col_len);
+      set_cols(col0, col_len, 0);
     }
-    __device__ __forceinline__ void set_cols(int col0, int col_len) {
+    __device__ __forceinline__ void set_cols(int col0, int col_len, int col_pos0) {
       const int lane = threadIdx.x & 31;
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int x = col0 + j * 8 + (lane & 3) * 2 + c;
-          col[j][c] = min(x, col_len - 1);
+          col[j][c] = min(x, col_len - 1) + col_pos0;
           col_in[j][c] = x < col_len;
         }
     }
   };
 
+  // Query positions start at p.q_pos0 for rows along Q (the forward's chunked prefill); the
+  // backward (rows along Kv) has none, and keeps the register it would take.
   __device__ __forceinline__ static Idx index(int h, int row0, int col0,
                                               const FlexcAttentionParams& p) {
-    return R == Rows::Q ? Idx(h, row0, col0, p.q_len, p.kv_len)
+    return R == Rows::Q ? Idx(h, row0, col0, p.q_len, p.kv_len, p.q_pos0, 0)
                         : Idx(h, row0, col0, p.kv_len, p.q_len);
+  }
+  // The q_len the hooks see: the position after the last query.
+  __device__ __forceinline__ static int hook_q_len(const FlexcAttentionParams& p) {
+    return R == Rows::Q ? p.q_pos0 + p.q_len : p.q_len;
   }
 
   // Calls f(i, j, e, h, q_idx, kv_idx, in) for every score s[i][j][e] this thread holds. `in`:
@@ -233,7 +242,8 @@ struct ScoreTile {
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          FlexcVariant::score_columns(args, b, h, idx.col[j][e], p.q_len, p.kv_len, c.score[j][e]);
+          FlexcVariant::score_columns(args, b, h, idx.col[j][e], hook_q_len(p), p.kv_len,
+                                      c.score[j][e]);
     }
   }
 
@@ -247,7 +257,7 @@ struct ScoreTile {
                                                            int col0) {
     if (col0 + NT * 8 > p.kv_len) return false;
     long long base[2];
-    FlexcVariant::score_column_offsets(args, b, h, 0, p.q_len, p.kv_len, base);
+    FlexcVariant::score_column_offsets(args, b, h, 0, hook_q_len(p), p.kv_len, base);
     bool ok = true;
 #pragma unroll
     for (int k = 0; k < kScoreCols; ++k) {
@@ -325,18 +335,19 @@ struct ScoreTile {
         const float x = s[i][j][e] * p.scale;
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
-              FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+              FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
         s[i][j][e] = kScoreCols > 0 && cols
-                         ? FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, p.q_len,
+                         ? FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
                                                         p.kv_len, cols->score[j][e & 1])
-                         : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+                         : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                                   p.kv_len);
       });
     }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
       if (partial) {
         for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool in) {
           const bool keep =
-              in & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, p.q_len, p.kv_len);
+              in & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
           s[i][j][e] = keep ? s[i][j][e] : neg_inf();
         });
         return;

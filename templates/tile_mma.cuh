@@ -261,6 +261,19 @@ __device__ __forceinline__ void mma_c_b(float (&acc)[MT][DT][4], const float (&c
   }
 }
 
+// Programmatic dependent launch (sm_90+; nothing before): a kernel lets the next kernel in its
+// stream launch (launch_dependents), and that kernel waits for the first's writes (wait_primary).
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_primary() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // 2^x on the special-function unit; 2^-inf = +0.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -701,6 +701,7 @@ struct GpuCase {
   // once on another: the kernel must wait for the mask.
   bool two_streams = false;
   int64_t Dv = 0;  // v's and the output's head dim; 0: D
+  int64_t q_offset = 0;  // chunked prefill: the position of query 0
 
   int64_t dv() const { return Dv ? Dv : D; }
   std::string describe() const {
@@ -759,7 +760,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   std::vector<flexc::DeviceBuffer> dcaps;
   caps.reserve(v.captures().size());
   for (const CaptureSpec& cs : v.captures()) {
-    caps.push_back(random_capture(cs, c.B, c.Hq, c.Lq, c.Lkv));
+    caps.push_back(random_capture(cs, c.B, c.Hq, c.q_offset + c.Lq, c.Lkv));
     dcaps.emplace_back(std::max<size_t>(caps.back().bytes.size(), 16));
     dcaps.back().upload(caps.back().bytes.data(), caps.back().bytes.size());
     opts.captures[cs.name] = TensorView{dcaps.back().get(), caps.back().dtype, caps.back().shape, {}};
@@ -768,6 +769,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
                                         caps.back().shape, {}};
   }
   opts.params = ref.params = bmo.params = c.params;
+  opts.q_offset = ref.q_offset = bmo.q_offset = c.q_offset;
   opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
   opts.kernel = c.kernel;
   std::optional<flexc::Stream> build_stream, run_stream;
@@ -1004,6 +1006,73 @@ TEST_CASE("v's head dim apart from q's and k's (MLA's 192 / 128) matches the ref
     INFO(a.summary());
     CHECK(a.pass);
     CHECK(a.masked_rows > 0);
+  }
+}
+
+TEST_CASE("chunked prefill: queries at q_offset match the reference and the full prefill's rows",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // A chunk of Q_LEN queries at positions [q_offset, q_offset + Q_LEN) against the keys up to
+  // (and past) its end, with a BlockMask built at the same offset: mods see positions.
+  const char* names[] = {"causal", "sliding_window", "alibi", "document", "causal_bottom_right",
+                         "prefix_lm"};
+  const int64_t offsets[] = {37, 128, 1000};
+  for (FwdKernel kernel : kernels_for(128))
+    for (size_t i = 0; i < std::size(names); ++i) {
+      GpuCase c{i % 2 ? DType::F16 : DType::BF16, 2, 4, 2, 200, 0, i % 3 ? 128 : 64, false, 0,
+                true, {}, kernel};
+      c.q_offset = offsets[i % 3];
+      c.Lkv = c.q_offset + c.Lq + (i % 2 ? 0 : 77);
+      if (std::string(names[i]) == "sliding_window") c.params["window"] = 150;
+      if (std::string(names[i]) == "prefix_lm") c.params["prefix"] = 90;
+      if (kernel == FwdKernel::Hopper && c.D == 64) c.D = 128;
+      INFO(names[i] << ": " << c.describe() << " q_offset " << c.q_offset);
+      const Accuracy a = run_case(Variant::from_catalogue(names[i]), c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
+
+  // At a tile-aligned offset the chunk's rows are the full prefill's, bit for bit (same tiles,
+  // same order); a BlockMask built for another offset is refused.
+  const Variant causal = Variant::from_catalogue("causal");
+  const int64_t L = 700, first = 256, n = 300, D = 128;
+  const Problem full(1, 4, 2, L, L, D, DType::BF16);
+  for (FwdKernel kernel : kernels_for(D)) {
+    auto bits = [](const std::vector<float>& x) {
+      std::vector<uint16_t> b(x.size());
+      for (size_t i = 0; i < x.size(); ++i) b[i] = float_to_bf16(x[i]);
+      return flexc::DeviceBuffer::from<uint16_t>(b);
+    };
+    const flexc::DeviceBuffer q = bits(full.q), k = bits(full.k), v = bits(full.v);
+    flexc::DeviceBuffer out_full(4 * L * D * 2), out_chunk(4 * n * D * 2);
+    const TensorView kv{k.get(), DType::BF16, {1, 2, L, D}, {}}, vv{v.get(), DType::BF16, {1, 2, L, D}, {}};
+    AttentionOptions o;
+    o.kernel = kernel;
+    const BlockMask bm_full = create_block_mask(causal, 1, 4, L, L);
+    o.block_mask = &bm_full;
+    attention(TensorView{q.get(), DType::BF16, {1, 4, L, D}, {}}, kv, vv,
+              TensorView{out_full.get(), DType::BF16, {1, 4, L, D}, {}}, causal, o);
+    BlockMaskOptions bo;
+    bo.q_offset = first;
+    const BlockMask bm_chunk = create_block_mask(causal, 1, 4, n, L, bo);
+    o.block_mask = &bm_chunk;
+    o.q_offset = first;
+    // q rows [first, first + n) of each head: a strided view of the full q.
+    const TensorView q_chunk{static_cast<uint16_t*>(q.get()) + first * D, DType::BF16, {1, 4, n, D},
+                             {4 * L * D, L * D, D, 1}};
+    const TensorView out_view{out_chunk.get(), DType::BF16, {1, 4, n, D}, {}};
+    attention(q_chunk, kv, vv, out_view, causal, o);
+    flexc::synchronize_device();
+    const std::vector<uint16_t> a = out_full.to_vector<uint16_t>(4 * L * D);
+    const std::vector<uint16_t> b = out_chunk.to_vector<uint16_t>(4 * n * D);
+    int64_t differ = 0;
+    for (int64_t h = 0; h < 4; ++h)
+      for (int64_t i = 0; i < n * D; ++i) differ += a[(h * L + first) * D + i] != b[h * n * D + i];
+    INFO(to_string(kernel));
+    CHECK(differ == 0);
+    o.q_offset = first + 1;
+    CHECK_THROWS_WITH(attention(q_chunk, kv, vv, out_view, causal, o),
+                      Contains("block_mask was built with q_offset 256; the call has 257"));
   }
 }
 

@@ -229,6 +229,41 @@ TEST_CASE("analytic == brute force == oracle for every catalogue mask", "[blockm
   }
 }
 
+TEST_CASE("a BlockMask at q_offset: the full mask's rows there, analytic == brute force",
+          "[blockmask]") {
+  // Chunked prefill: rows are positions q_offset + r. At a tile-aligned offset the chunk's tiles
+  // are the full mask's tiles from that offset; at any offset the analysis agrees with brute
+  // force.
+  for (const std::string& name : Variant::catalogue_names()) {
+    const Variant v = Variant::from_catalogue(name);
+    const int64_t offset = 128 * uniform(1, 4), q_len = uniform(1, 400), kv_len = uniform(1, 900);
+    INFO(name << " offset " << offset << " q_len " << q_len << " kv_len " << kv_len);
+    Captures caps = random_captures(v, 1, 2, offset + 37 + q_len, kv_len);
+    BlockMaskOptions o = small_params(v);
+    o.captures = caps.data;
+    o.device = BuildDevice::Cpu;
+    const BlockMask full = create_block_mask(v, 1, 2, offset + q_len, kv_len, o);
+    o.q_offset = offset;
+    const BlockMask chunk = create_block_mask(v, 1, 2, q_len, kv_len, o);
+    CHECK(chunk.q_offset() == offset);
+    int64_t differ = 0;
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t qt = 0; qt < chunk.num_q_tiles(); ++qt)
+        for (int64_t kt = 0; kt < chunk.num_kv_tiles(); ++kt)
+          differ += chunk.tile(0, h, qt, kt) != full.tile(0, h, qt + offset / 128, kt);
+    CHECK(differ == 0);
+    o.q_offset = offset + 37;
+    const BlockMask fast = create_block_mask(v, 1, 2, q_len, kv_len, o);
+    o.analytic = false;
+    const BlockMask brute = create_block_mask(v, 1, 2, q_len, kv_len, o);
+    CHECK(same(fast, brute));
+  }
+  BlockMaskOptions o;
+  o.q_offset = -1;
+  CHECK_THROWS_WITH(create_block_mask(Variant::from_catalogue("causal"), 1, 1, 16, 16, o),
+                    Catch::Matchers::Contains("q_offset = -1 must be >= 0"));
+}
+
 TEST_CASE("the analysis decides every tile off the boundary of linear masks", "[blockmask]") {
   // For these the interval analysis is exact: only truly partial tiles are evaluated.
   for (const char* name : {"causal", "causal_bottom_right", "sliding_window", "prefix_lm",

@@ -135,7 +135,8 @@ TEST_CASE("backward options of flexc run are checked before the GPU is needed", 
 TEST_CASE("decode options of flexc run are checked before the GPU is needed", "[cli]") {
   refused("run @noop --random 1,2,2,1,64,64 --page-size 16", "--page-size needs --kv-lens");
   refused("run @noop --random 1,2,2,1,64,64 --splits 4", "--splits needs --kv-lens");
-  refused("run @noop --random 1,2,2,1,64,64 --q-offsets 3", "--q-offsets needs --kv-lens");
+  refused("run @noop --random 2,2,2,1,64,64 --q-offsets 3,4",
+          "--q-offsets: the forward (without --kv-lens) takes one offset");
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12,x", "--kv-lens '12,x'");
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12,", "--kv-lens '12,': expected one");
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens -3", "--kv-lens");
@@ -144,6 +145,8 @@ TEST_CASE("decode options of flexc run are checked before the GPU is needed", "[
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12 --splits 300", "--splits");
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12 --backward",
           "--backward is not part of the decode path");
+  refused("run @noop --random 1,2,2,1,64,64 --q-offsets 12 --backward",
+          "--backward with --q-offsets: chunked prefill is forward-only");
 }
 
 TEST_CASE("precision on the command line overrides a config's, and is fast or exact", "[cli]") {

@@ -51,6 +51,11 @@ struct AttentionOptions {
   std::optional<TensorView> lse;
   CUstream_st* stream = nullptr;  // the caller's stream; nullptr: the legacy default stream
   FwdKernel kernel = FwdKernel::Auto;
+  // Chunked prefill: query i sits at position q_offset + i of its sequence, whose keys are k and
+  // v's KV_LEN (the cache up to the chunk's end, say). The mods see q_idx = q_offset + i and
+  // q_len = q_offset + Q_LEN; captures' Q_LEN dims take q_offset + Q_LEN; the BlockMask must be
+  // built with the same BlockMaskOptions::q_offset. (flexc::decode takes per-sequence offsets.)
+  int64_t q_offset = 0;
 };
 
 // Enqueues the kernel on opts.stream (compiling it on first use: later calls with the same

@@ -45,6 +45,9 @@ enum class BuildDevice { Auto, Cpu, Gpu };  // Auto: the GPU when one is present
 
 struct BlockMaskOptions {
   int64_t q_tile = 128, kv_tile = 128;
+  // The position of query row 0 (chunked prefill, AttentionOptions::q_offset): mask_mod sees
+  // q_idx = q_offset + row and q_len = q_offset + Q_LEN. Must match the attention call's.
+  int64_t q_offset = 0;
   // Runtime param values by name; a param left out takes its declared default.
   std::map<std::string, double, std::less<>> params;
   // The captures mask_mod reads, by name (others are ignored).
@@ -98,6 +101,7 @@ class BlockMask {
   int64_t nh() const;
   int64_t q_len() const;
   int64_t kv_len() const;
+  int64_t q_offset() const;  // BlockMaskOptions::q_offset (0 for from_kv_blocks)
   int64_t q_tile() const;
   int64_t kv_tile() const;
   int64_t num_q_tiles() const;

@@ -39,6 +39,9 @@ struct ReferenceProblem {
   // after the last query, kv_len = kv_lens[b]; captures' Q_LEN dims take KV_LEN. A query at a
   // position outside [0, KV_LEN) has no keys.
   std::vector<int64_t> kv_lens, q_offsets;
+  // Chunked prefill (AttentionOptions::q_offset; without kv_lens): query i sits at position
+  // q_offset + i, the mods' q_len is q_offset + Q_LEN, and captures' Q_LEN dims take it.
+  int64_t q_offset = 0;
 };
 
 struct ReferenceResult {

@@ -24,7 +24,7 @@ namespace flexc::jit {
   X(cuEventElapsedTime) X(cuTensorMapEncodeTiled) X(cuMemAllocAsync) X(cuMemFreeAsync)        \
   X(cuMemPoolCreate) X(cuMemPoolSetAttribute) X(cuMemAllocFromPoolAsync) X(cuStreamBeginCapture) \
   X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphExecDestroy)             \
-  X(cuGraphDestroy)
+  X(cuGraphDestroy) X(cuLaunchKernelEx)
 // clang-format on
 
 struct DriverApi {

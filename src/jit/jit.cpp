@@ -328,7 +328,7 @@ std::vector<Compiled> compile_all(const Variant& v, std::span<const KernelSpec> 
 }
 
 void Kernel::launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block,
-                    size_t smem_bytes, CUstream_st* stream, void** args) const {
+                    size_t smem_bytes, CUstream_st* stream, void** args, bool early) const {
   const DriverApi& d = driver("launching a flexc kernel");  // loaded: this kernel exists
   if (smem_bytes > smem_limit_.load(std::memory_order_acquire)) {
     std::lock_guard lk(smem_mu_);
@@ -340,8 +340,20 @@ void Kernel::launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned 
       smem_limit_.store(smem_bytes, std::memory_order_release);
     }
   }
-  const CUresult r = d.cuLaunchKernel(fn_, grid_x, grid_y, grid_z, block, 1, 1,
-                                      static_cast<unsigned>(smem_bytes), stream, args, nullptr);
+  CUlaunchAttribute attr{};
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig cfg{};
+  cfg.gridDimX = grid_x, cfg.gridDimY = grid_y, cfg.gridDimZ = grid_z;
+  cfg.blockDimX = block, cfg.blockDimY = 1, cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = static_cast<unsigned>(smem_bytes);
+  cfg.hStream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  const CUresult r = early ? d.cuLaunchKernelEx(&cfg, fn_, args, nullptr)
+                           : d.cuLaunchKernel(fn_, grid_x, grid_y, grid_z, block, 1, 1,
+                                              static_cast<unsigned>(smem_bytes), stream, args,
+                                              nullptr);
   if (r != CUDA_SUCCESS)
     check(r, fmt::format("launching the {} (grid {}x{}x{}, {} threads, {} bytes of shared memory)",
                          what_, grid_x, grid_y, grid_z, block, smem_bytes));

@@ -289,9 +289,16 @@ void run(const Options& o) {
       throw Error(fmt::format("--capture-grad {}: pass the capture too (--capture {}=FILE.npy)",
                               name, name));
   }
-  if (o.kv_lens.empty() && (o.page_size || o.splits || !o.q_offsets.empty()))
+  if (o.kv_lens.empty() && (o.page_size || o.splits))
     throw Error(fmt::format("{} needs --kv-lens (the decode path)",
-                            o.page_size ? "--page-size" : o.splits ? "--splits" : "--q-offsets"));
+                            o.page_size ? "--page-size" : "--splits"));
+  int64_t q_offset = 0;  // the forward's (chunked prefill): one value
+  if (o.kv_lens.empty() && !o.q_offsets.empty()) {
+    const std::vector<int64_t> offs = parse_list(o.q_offsets, "--q-offsets", 0);
+    if (offs.size() != 1)
+      throw Error("--q-offsets: the forward (without --kv-lens) takes one offset for every batch");
+    q_offset = offs[0];
+  }
   if (!o.kv_lens.empty()) {
     parse_list(o.kv_lens, "--kv-lens", 0);
     if (!o.q_offsets.empty()) parse_list(o.q_offsets, "--q-offsets", 0);
@@ -299,6 +306,8 @@ void run(const Options& o) {
     if (o.page_size & (o.page_size - 1))
       throw Error(fmt::format("--page-size {} must be a power of two", o.page_size));
   }
+  if (o.backward && !o.q_offsets.empty())
+    throw Error("--backward with --q-offsets: chunked prefill is forward-only");
   std::vector<int64_t> sizes;
   if (!o.random.empty()) sizes = parse_sizes(o.random);
   if (!flexc::gpu_available())
@@ -353,6 +362,7 @@ void run(const Options& o) {
   bmo.params = opts.params;
   opts.scale = o.scale;
   opts.kernel = kernel;
+  opts.q_offset = bmo.q_offset = ref.q_offset = q_offset;
   ref.q = q.values, ref.k = k.values, ref.v = v.values;
   ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
   ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
@@ -537,8 +547,9 @@ const Register reg("run", [](CLI::App& app) {
                   "decode (flexc::decode): K / V are a cache of capacity KV_LEN and sequence b "
                   "holds this many keys; one value, or one per batch (L0,L1,...)");
   cmd->add_option("--q-offsets", o->q_offsets,
-                  "with --kv-lens: the position of each sequence's first query (default: "
-                  "kv_len - Q_LEN, the sequence's last tokens)");
+                  "the position of each sequence's first query: with --kv-lens one value or one "
+                  "per batch (default: kv_len - Q_LEN, the sequence's last tokens); without, one "
+                  "value, the forward's chunked prefill (default 0)");
   cmd->add_option("--page-size", o->page_size,
                   "with --kv-lens: a paged cache of this many keys per page (a power of two), "
                   "through a shuffled page table")
