@@ -67,11 +67,17 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
               i * p.out_stride[2];
   for (int c = lane * 4; c < p.dv; c += 128) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // Unrolled without a branch, so that 8 parts' loads are in flight at once (one at a time,
+    // 32 parts took ~10 us of L2 latency). A part of weight 0 adds exactly 0, whatever its
+    // output holds.
+#pragma unroll 8
     for (int part = 0; part < p.parts; ++part) {
       const float wp = w.weight(lse_part[part]);
-      if (wp == 0.f) continue;  // also skips a part's unwritten (or NaN-free zero) output
       const float4 o = *reinterpret_cast<const float4*>(o_part + part * p.dv + c);
-      acc[0] += wp * o.x, acc[1] += wp * o.y, acc[2] += wp * o.z, acc[3] += wp * o.w;
+      acc[0] += wp == 0.f ? 0.f : wp * o.x;
+      acc[1] += wp == 0.f ? 0.f : wp * o.y;
+      acc[2] += wp == 0.f ? 0.f : wp * o.z;
+      acc[3] += wp == 0.f ? 0.f : wp * o.w;
     }
     uint2 packed;
     packed.x = flexc_tile::pack2<FLEXC_BF16 != 0>(acc[0] * inv, acc[1] * inv);

@@ -65,38 +65,85 @@ constexpr int kSmemBytes = kLoopBytes > kMergeBytes ? kLoopBytes : kMergeBytes;
 
 using Scores = flexc_attn::ScoreTile<kMT, kNT>;
 
-// Where the keys of one sequence live: a row offset (elements) for key i of this kv head.
+// A thread's share of a K or V tile copy: kPer rows and one 16-byte chunk column. Where the
+// block's threads cover whole rows, a thread's rows are consecutive (rows kPer (t / chunks) + i):
+// in a paged cache they then share one page (pages of at least kPer keys), so one page-table
+// lookup serves them. (A warp still copies whole rows per instruction: the shared-memory writes
+// take the same wavefronts as with rows kThreads / chunks apart.)
+template <class Tile>
+struct TileRows {
+  static constexpr int kPer = kBlockN * Tile::kChunks / kThreads;
+  static constexpr bool kConsecutive = kThreads % Tile::kChunks == 0;
+  __device__ __forceinline__ static int row(int i) {
+    const int t = static_cast<int>(threadIdx.x);
+    return kConsecutive ? t / Tile::kChunks * kPer + i : (i * kThreads + t) / Tile::kChunks;
+  }
+  __device__ __forceinline__ static int chunk(int i) {
+    const int t = static_cast<int>(threadIdx.x);
+    return kConsecutive ? t % Tile::kChunks : (i * kThreads + t) % Tile::kChunks;
+  }
+};
+
+// Where the keys of one sequence live: the element offset of a key's row of this kv head, in k
+// and v.
 struct Cache {
   const FlexcDecodeParams& p;
   const int* pages;  // this sequence's page table row; null: contiguous
   long long k_base, v_base;
 
-  // Offsets of key `kv` in k and v; `bad` set for a page index out of range (page 0 is read).
-  __device__ __forceinline__ void offsets(int kv, long long& k_off, long long& v_off,
-                                          bool& bad) const {
+  // Offsets of the rows of a thread's share (TileRows<Tile>) of the tile at key kv0, in k (K)
+  // and v (V); keys past `last` are not read (the copy zero-fills them) and get an address inside
+  // the cache. `bad` is set for a page index out of range (page 0 is read instead).
+  template <class Tile, bool K, bool V, int N>
+  __device__ __forceinline__ void offsets(int kv0, int last, long long (&k_off)[N],
+                                          long long (&v_off)[N], bool& bad) const {
     if (pages == nullptr) {
-      k_off = k_base + kv * p.k_stride[2];
-      v_off = v_base + kv * p.v_stride[2];
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const long long kv = min(kv0 + TileRows<Tile>::row(i), last);
+        if (K) k_off[i] = k_base + kv * p.k_stride[2];
+        if (V) v_off[i] = v_base + kv * p.v_stride[2];
+      }
       return;
     }
-    int page = pages[kv >> p.page_shift];
-    const int slot = kv & ((1 << p.page_shift) - 1);
-    if (static_cast<unsigned>(page) >= static_cast<unsigned>(p.num_pages)) bad = true, page = 0;
-    k_off = k_base + page * p.k_stride[0] + slot * p.k_stride[2];
-    v_off = v_base + page * p.v_stride[0] + slot * p.v_stride[2];
+    const int mask = (1 << p.page_shift) - 1;
+    auto page_at = [&](int kv) {
+      const int page = pages[kv >> p.page_shift];
+      const bool in = static_cast<unsigned>(page) < static_cast<unsigned>(p.num_pages);
+      bad |= !in;
+      return in ? page : 0;
+    };
+    if (TileRows<Tile>::kConsecutive && (1 << p.page_shift) >= N) {
+      // One page for the thread's N consecutive keys (they start at a multiple of N).
+      const int first = kv0 + TileRows<Tile>::row(0);
+      const int kv = min(first, last), slot0 = first <= last ? kv & mask : 0;
+      const long long page = page_at(kv);
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        if (K) k_off[i] = k_base + page * p.k_stride[0] + (slot0 + i) * p.k_stride[2];
+        if (V) v_off[i] = v_base + page * p.v_stride[0] + (slot0 + i) * p.v_stride[2];
+      }
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int kv = min(kv0 + TileRows<Tile>::row(i), last);
+      const long long page = page_at(kv);
+      if (K) k_off[i] = k_base + page * p.k_stride[0] + (kv & mask) * p.k_stride[2];
+      if (V) v_off[i] = v_base + page * p.v_stride[0] + (kv & mask) * p.v_stride[2];
+    }
   }
 };
 
-// One thread's share of a K / V tile copy: rows kv0 + r for its rows r; keys at or past kv_len
-// become zeros (0 * garbage = NaN stays out of P.V).
+// One thread's share of a K / V tile copy at the row offsets Cache::offsets gave; rows at or
+// past rows_left (keys past kv_len) become zeros (0 * garbage = NaN stays out of P.V).
 template <class Tile>
 __device__ __forceinline__ void copy_rows(unsigned tile, const unsigned short* base,
-                                          const long long* row_off, int rows_left) {
-  constexpr int kPerThread = kBlockN * Tile::kChunks / kThreads;
+                                          const long long (&row_off)[TileRows<Tile>::kPer],
+                                          int rows_left) {
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int idx = i * kThreads + static_cast<int>(threadIdx.x);
-    const int r = idx / Tile::kChunks, c = idx % Tile::kChunks;
+  for (int i = 0; i < TileRows<Tile>::kPer; ++i) {
+    const int r = TileRows<Tile>::row(i), c = TileRows<Tile>::chunk(i);
     cp_async_16(tile + Tile::offset(r, c), base + row_off[i] + c * 8, r < rows_left);
   }
 }
@@ -273,25 +320,13 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
     const int t = next_tile(partial);
     if (t >= 0) {
       const int kv0 = t * kBlockN, stage = fetched % kStages;
-      constexpr int kKPer = kBlockN * KTile::kChunks / kThreads;
-      constexpr int kVPer = kBlockN * VTile::kChunks / kThreads;
-      // (With D == Dv a thread copies the same rows of K and V: one page lookup serves both.)
-      long long k_off[kKPer], v_off[kVPer], unused;
-#pragma unroll
-      for (int i = 0; i < kKPer; ++i) {
-        const int kv = kv0 + (i * kThreads + static_cast<int>(threadIdx.x)) / KTile::kChunks;
-        if constexpr (kD == kDv) {
-          cache.offsets(min(kv, rows.kv_len - 1), k_off[i], v_off[i], bad);
-        } else {
-          cache.offsets(min(kv, rows.kv_len - 1), k_off[i], unused, bad);
-        }
-      }
-      if constexpr (kD != kDv) {
-#pragma unroll
-        for (int i = 0; i < kVPer; ++i) {
-          const int kv = kv0 + (i * kThreads + static_cast<int>(threadIdx.x)) / VTile::kChunks;
-          cache.offsets(min(kv, rows.kv_len - 1), unused, v_off[i], bad);
-        }
+      // (With D == Dv a thread copies the same rows of K and V: one lookup serves both.)
+      long long k_off[TileRows<KTile>::kPer], v_off[TileRows<VTile>::kPer];
+      if constexpr (kD == kDv) {
+        cache.offsets<KTile, true, true>(kv0, rows.kv_len - 1, k_off, v_off, bad);
+      } else {
+        cache.offsets<KTile, true, false>(kv0, rows.kv_len - 1, k_off, k_off, bad);
+        cache.offsets<VTile, false, true>(kv0, rows.kv_len - 1, v_off, v_off, bad);
       }
       copy_rows<KTile>(k_tile(stage), k, k_off, rows.kv_len - kv0);
       copy_rows<VTile>(v_tile(stage), v, v_off, rows.kv_len - kv0);

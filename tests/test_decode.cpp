@@ -206,7 +206,7 @@ TEST_CASE("the decode kernel builds for every variant, both row configurations",
 
 namespace {
 
-enum class Layout { Contiguous, Paged16, Paged128, PagedNhd64 };
+enum class Layout { Contiguous, Paged16, Paged128, PagedNhd64, Paged4 };
 
 struct DecodeCase {
   DecodeProblem p;
@@ -215,7 +215,7 @@ struct DecodeCase {
   std::map<std::string, double, std::less<>> params;
 
   std::string describe() const {
-    const char* layouts[] = {"contiguous", "paged 16", "paged 128", "paged NHD 64"};
+    const char* layouts[] = {"contiguous", "paged 16", "paged 128", "paged NHD 64", "paged 4"};
     return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} D {} capacity {} kv_lens [{}] {} splits {}",
                        dtype_name(p.dtype), p.B, p.Hq, p.Hkv, p.Lq, p.D, p.cap,
                        fmt::join(p.kv_lens, ", "), layouts[int(layout)], splits);
@@ -223,7 +223,13 @@ struct DecodeCase {
 };
 
 int64_t page_size(Layout l) {
-  return l == Layout::Paged16 ? 16 : l == Layout::Paged128 ? 128 : l == Layout::PagedNhd64 ? 64 : 0;
+  switch (l) {
+    case Layout::Paged16: return 16;
+    case Layout::Paged128: return 128;
+    case Layout::PagedNhd64: return 64;
+    case Layout::Paged4: return 4;  // smaller than a thread's run of rows: a lookup per row
+    default: return 0;
+  }
 }
 
 // The outputs of one decode call (out rows and LSE in [B, Hq, Q_LEN] order, floats).
@@ -356,7 +362,7 @@ TEST_CASE("decode matches the reference: catalogue, ragged lengths, GQA, paged c
   const int64_t q_lens[] = {1, 3, 16}, groups[] = {1, 4, 8};
   const int splits[] = {1, 5, 0, 256};
   const Layout layouts[] = {Layout::Contiguous, Layout::Paged16, Layout::Paged128,
-                            Layout::PagedNhd64};
+                            Layout::PagedNhd64, Layout::Paged4};
   size_t n = 0;
   for (size_t vi = 0; vi < names.size(); ++vi) {
     const Variant v = Variant::from_catalogue(names[vi]);
@@ -373,7 +379,7 @@ TEST_CASE("decode matches the reference: catalogue, ragged lengths, GQA, paged c
                            : std::vector<int64_t>{17, 4099, 1, 1000};
       std::shuffle(p.kv_lens.begin(), p.kv_lens.end(), rng());
       p.B = int64_t(p.kv_lens.size());
-      c.layout = layouts[n % 4];
+      c.layout = layouts[n % 5];
       // Captures' Q_LEN / KV_LEN dims take the capacity, which a paged cache rounds up to whole
       // pages: make the reference's KV_LEN the same.
       p.cap = *std::max_element(p.kv_lens.begin(), p.kv_lens.end()) + 37;
