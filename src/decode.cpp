@@ -223,6 +223,9 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
     for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"cache.k", &k}, {"cache.v", &v}})
       if (detail::overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
 
+  if (q_len > 0 && Hq > kMaxInt / B / q_len)  // (divided: the product may not fit in int64)
+    fail(fmt::format("B x Hq x Q_LEN = {} x {} x {} query rows exceed the kernels' int32 row index",
+                     B, Hq, q_len));
   const int64_t rows = q_len * (Hq / Hkv);
   const detail::DecodeConfig cfg = detail::decode_config(int(D), int(Dv), rows);
   const detail::VariantImpl& impl = detail::impl_of(variant);

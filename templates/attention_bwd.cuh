@@ -177,14 +177,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     // S^T = K Q^T for this warp's 16 kv rows.
     float s[1][kNT][4];
     zero_fragments(s);
-#pragma unroll
-    for (int kk = 0; kk < kD; kk += 16) {
-      unsigned a[1][4];
-      ldmatrix_x4(a[0], frag_a_kv(k_tile, warp * 16, kk / 8));
-      mma_rows<kBf16>(s, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4(bf, frag_b_q(q_tile(stage), n, kk / 8));
-      });
-    }
+    mma_a_bt<kBf16, kD>(s, frag_a_kv, k_tile, warp * 16, frag_b_q, q_tile(stage), 0);
     float x[flexc_attn::kKeepPreMod ? kNT : 1][4];
     flexc_attn::keep_pre_mod(s[0], p.scale, x);
     float grad[1][kGrad ? kNT : 1][4];
@@ -203,14 +196,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     // dP^T = V dO^T
     float dp[1][kNT][4];
     zero_fragments(dp);
-#pragma unroll
-    for (int kk = 0; kk < kD; kk += 16) {
-      unsigned a[1][4];
-      ldmatrix_x4(a[0], frag_a_kv(v_tile, warp * 16, kk / 8));
-      mma_rows<kBf16>(dp, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4(bf, frag_b_q(do_tile(stage), n, kk / 8));
-      });
-    }
+    mma_a_bt<kBf16, kD>(dp, frag_a_kv, v_tile, warp * 16, frag_b_q, do_tile(stage), 0);
     // dS^T = P^T (dP^T - delta) d score_mod / d score; where P is 0 (masked, past a length, a
     // score_mod of -inf) dS is exactly 0 whatever the derivative there.
     const float* delta = delta_of(stage);

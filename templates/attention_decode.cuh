@@ -373,15 +373,7 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
 
     float s[kMT][kNT][4];
     zero_fragments(s);
-#pragma unroll
-    for (int kk = 0; kk < kD; kk += 16) {
-      unsigned a[kMT][4];
-#pragma unroll
-      for (int i = 0; i < kMT; ++i) ldmatrix_x4(a[i], frag_q(q_tile, i * 16, kk / 8));
-      mma_rows<kBf16>(s, a, [&](unsigned(&bf)[4], int n) {
-        ldmatrix_x4(bf, frag_k(k_tile(stage), key0 + n, kk / 8));
-      });
-    }
+    mma_a_bt<kBf16, kD>(s, frag_q, q_tile, 0, frag_k, k_tile(stage), key0);
     const Scores::Idx idx(q_idx, head, kv0 + key0, rows.kv_len);
     float no_grad[1][1][4];
     Scores::apply_mods_at(s, no_grad, hp, args, b, idx, 0, kv0 + key0, partial);

@@ -244,6 +244,24 @@ __device__ __forceinline__ void c_to_a(const float (&c)[NT][4], int kk, unsigned
   a[3] = pack2<BF16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// acc += A B^T over K columns: A's MT 16-row tiles from row a_row0 of a shared-memory tile
+// (ldmatrix at frag_a), B's rows from b_row0 of another (ldmatrix at frag_b): Q.K^T, K.Q^T,
+// V.dO^T.
+template <bool BF16, int K, int MT, int NT, class FragA, class FragB>
+__device__ __forceinline__ void mma_a_bt(float (&acc)[MT][NT][4], const FragA& frag_a,
+                                         unsigned a_tile, int a_row0, const FragB& frag_b,
+                                         unsigned b_tile, int b_row0) {
+#pragma unroll
+  for (int kk = 0; kk < K; kk += 16) {
+    unsigned a[MT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) ldmatrix_x4(a[i], frag_a(a_tile, a_row0 + i * 16, kk / 8));
+    mma_rows<BF16>(acc, a, [&](unsigned(&b)[4], int n) {
+      ldmatrix_x4(b, frag_b(b_tile, b_row0 + n, kk / 8));
+    });
+  }
+}
+
 // acc += C B: a warp's MT x NT C fragments (P, dS) as the A operand, in the input type, times
 // rows [row0, row0 + 8 NT) of a [k][n] shared-memory tile read with ldmatrix .trans at `frag`
 // (P.V, P^T dO, dS^T Q, dS K).
