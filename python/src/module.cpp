@@ -1,0 +1,270 @@
+// flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/), the CPU side:
+// variants, ahead-of-time compilation, BlockMasks built on the CPU, and the float64 reference.
+// Host arrays are numpy arrays; flexc::Error becomes flexc.Error (a ValueError) with flexc's
+// message. The GPU entry points (torch tensors, DLPack) build on this module.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "flexc/blockmask.h"
+#include "flexc/error.h"
+#include "flexc/jit.h"
+#include "flexc/reference.h"
+#include "flexc/tensor.h"
+#include "flexc/variant.h"
+
+namespace py = pybind11;
+using namespace flexc;
+
+namespace {
+
+// Host arrays cross through the buffer protocol (numpy arrays, memoryviews), not pybind11's numpy
+// API: that API reads numpy's structs, which numpy 2 changed, and this module must work with the
+// pybind11 of the platform and any numpy. flexc/__init__.py wraps results as numpy arrays.
+
+// A buffer's element type as flexc names it; bf16 has no buffer format: pass uint16 bits for a
+// capture declared bf16 (or fp16).
+DType dtype_of(const py::buffer_info& b, const std::string& declared) {
+  const std::string& f = b.format;
+  const char c = f.empty() ? '?' : f.back();  // formats may carry a byte-order prefix
+  if (c == 'f' && b.itemsize == 4) return DType::F32;
+  if ((c == 'i' || c == 'l') && b.itemsize == 4) return DType::I32;
+  if ((c == '?' || c == 'B' || c == 'b') && b.itemsize == 1) return DType::Bool;
+  if (c == 'e' && b.itemsize == 2) return DType::F16;
+  if ((c == 'H' || c == 'h') && b.itemsize == 2 && (declared == "bf16" || declared == "fp16"))
+    return parse_dtype(declared);
+  throw Error("array of format '" + f + "' (" + std::to_string(b.itemsize) +
+              " bytes) is not one flexc reads: float32, int32, bool, float16, or uint16 bits of "
+              "a bf16 capture");
+}
+
+// A host view of a buffer (strides in elements; the buffer must stay alive).
+TensorView host_view(const py::buffer_info& b, DType dtype) {
+  TensorView t;
+  t.data = b.ptr;
+  t.dtype = dtype;
+  for (py::ssize_t i = 0; i < b.ndim; ++i) {
+    t.shape.push_back(b.shape[i]);
+    if (b.strides[i] % b.itemsize != 0) throw Error("array strides must be whole elements");
+    t.strides.push_back(b.strides[i] / b.itemsize);
+  }
+  return t;
+}
+
+std::string declared_dtype(const Variant& v, const std::string& capture) {
+  for (const CaptureSpec& c : v.captures())
+    if (c.name == capture) return c.dtype;
+  return {};
+}
+
+template <class T>
+py::bytes raw(const std::vector<T>& v) {
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+// A C-contiguous float32 [B, H, S, D] buffer as a span.
+std::span<const float> floats4(const py::buffer_info& b, const char* name,
+                               std::vector<int64_t>& shape) {
+  if (b.ndim != 4 || b.itemsize != 4 || b.format.empty() || b.format.back() != 'f')
+    throw Error(std::string("reference_attention: ") + name +
+                " must be a float32 [B, H, S, D] array");
+  shape.assign(b.shape.begin(), b.shape.end());
+  py::ssize_t stride = 4;
+  for (py::ssize_t i = 3; i >= 0; --i) {
+    if (b.shape[i] > 1 && b.strides[i] != stride)
+      throw Error(std::string("reference_attention: ") + name + " must be C-contiguous");
+    stride *= b.shape[i];
+  }
+  return {static_cast<const float*>(b.ptr), static_cast<size_t>(stride / 4)};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_flexc, m) {
+  m.doc() = "flexc: attention variants from two expressions, JIT-compiled for NVIDIA GPUs";
+  static py::exception<Error> error(m, "Error", PyExc_ValueError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
+
+  py::enum_<Precision>(m, "Precision")
+      .value("FAST", Precision::Fast)
+      .value("EXACT", Precision::Exact);
+
+  py::class_<CaptureSpec>(m, "CaptureSpec")
+      .def(py::init([](std::string name, std::string dtype, std::vector<std::string> dims) {
+             return CaptureSpec{std::move(name), std::move(dtype), std::move(dims)};
+           }),
+           py::arg("name"), py::arg("dtype"), py::arg("dims"))
+      .def_readonly("name", &CaptureSpec::name)
+      .def_readonly("dtype", &CaptureSpec::dtype)
+      .def_readonly("dims", &CaptureSpec::dims)
+      .def("__repr__", [](const CaptureSpec& c) {
+        std::string dims;
+        for (const std::string& d : c.dims) dims += (dims.empty() ? "" : ", ") + d;
+        return "CaptureSpec('" + c.name + "', '" + c.dtype + "', [" + dims + "])";
+      });
+
+  py::class_<ParamSpec>(m, "ParamSpec")
+      .def(py::init([](std::string name, std::string type, double default_value, bool is_const) {
+             return ParamSpec{std::move(name), std::move(type), default_value, is_const};
+           }),
+           py::arg("name"), py::arg("type") = "float", py::arg("default") = 0.0,
+           py::arg("const") = false)
+      .def_readonly("name", &ParamSpec::name)
+      .def_readonly("type", &ParamSpec::type)
+      .def_readonly("default", &ParamSpec::default_value)
+      .def_readonly("const", &ParamSpec::is_const);
+
+  py::class_<Variant>(m, "Variant")
+      .def_static("from_strings", &Variant::from_strings, py::arg("score_mod"),
+                  py::arg("mask_mod") = "true", py::arg("captures") = std::vector<CaptureSpec>{},
+                  py::arg("params") = std::vector<ParamSpec>{}, py::arg("name") = "custom",
+                  "A variant from two expressions; flexc.Error with diagnostics on bad input.")
+      .def_static("from_json", &Variant::from_json, py::arg("text"), py::arg("origin") = "<json>")
+      .def_static("from_catalogue", &Variant::from_catalogue, py::arg("name"))
+      .def_static("catalogue_names", &Variant::catalogue_names)
+      .def_property_readonly("name", &Variant::name)
+      .def_property_readonly("description", &Variant::description)
+      .def_property_readonly("captures", &Variant::captures)
+      .def_property_readonly("params", &Variant::params)
+      .def_property_readonly("score_mod", &Variant::score_mod_text)
+      .def_property_readonly("mask_mod", &Variant::mask_mod_text)
+      .def_property_readonly("score_grad", &Variant::score_grad_text)
+      .def_property_readonly("precision", &Variant::precision)
+      .def("with_precision", &Variant::with_precision, py::arg("precision"))
+      .def("renamed", &Variant::renamed, py::arg("name"))
+      .def("__and__", [](const Variant& a, const Variant& b) { return and_masks(a, b); })
+      .def("__or__", [](const Variant& a, const Variant& b) { return or_masks(a, b); })
+      .def("__invert__", [](const Variant& a) { return not_mask(a); })
+      .def("__repr__", [](const Variant& v) {
+        return "Variant('" + v.name() + "', score_mod='" + v.score_mod_text() + "', mask_mod='" +
+               v.mask_mod_text() + "')";
+      });
+  m.def("compose", &compose, py::arg("outer"), py::arg("inner"));
+
+  py::class_<KernelInfo>(m, "KernelInfo")
+      .def_readonly("name", &KernelInfo::name)
+      .def_readonly("description", &KernelInfo::description)
+      .def_readonly("only_arch", &KernelInfo::only_arch);
+  m.def("kernel_templates", &kernel_templates, py::arg("arch") = "");
+
+  py::class_<CompiledKernel>(m, "CompiledKernel")
+      .def_readonly("arch", &CompiledKernel::arch)
+      .def_readonly("key", &CompiledKernel::key)
+      .def_readonly("source", &CompiledKernel::source)
+      .def_readonly("ptx", &CompiledKernel::ptx)
+      .def_property_readonly("cubin",
+                             [](const CompiledKernel& c) { return py::bytes(c.cubin); })
+      .def_readonly("compile_seconds", &CompiledKernel::compile_seconds);
+  m.def(
+      "compile",
+      [](const Variant& v, const std::string& kernel, const std::string& arch,
+         const std::string& dtype, int head_dim, int v_head_dim, bool use_cache) {
+        const KernelBuild b{kernel, arch, dtype, head_dim, v_head_dim};
+        py::gil_scoped_release release;  // NVRTC takes a while; other Python threads may run
+        return compile_kernels(v, {&b, 1}, use_cache).front();
+      },
+      py::arg("variant"), py::arg("kernel"), py::arg("arch") = "", py::arg("dtype") = "bf16",
+      py::arg("head_dim") = 128, py::arg("v_head_dim") = 0, py::arg("use_cache") = true,
+      "Compiles one kernel template for the variant (no GPU needed when arch is named).");
+
+  py::enum_<TileKind>(m, "TileKind")
+      .value("EMPTY", TileKind::Empty)
+      .value("PARTIAL", TileKind::Partial)
+      .value("FULL", TileKind::Full);
+
+  py::class_<BlockMask>(m, "BlockMask")
+      .def_property_readonly("shape", [](const BlockMask& b) {
+        return py::make_tuple(b.nb(), b.nh(), b.q_len(), b.kv_len());
+      })
+      .def_property_readonly("tile_size", [](const BlockMask& b) {
+        return py::make_tuple(b.q_tile(), b.kv_tile());
+      })
+      .def_property_readonly("q_offset", &BlockMask::q_offset)
+      .def_property_readonly("num_tiles", [](const BlockMask& b) {
+        return py::make_tuple(b.num_q_tiles(), b.num_kv_tiles());
+      })
+      .def("tile", &BlockMask::tile, py::arg("b"), py::arg("h"), py::arg("q_tile"),
+           py::arg("kv_tile"))
+      .def("count", &BlockMask::count, py::arg("kind"))
+      .def("sparsity", &BlockMask::sparsity)
+      .def("to_string", &BlockMask::to_string, py::arg("max_rows") = 32, py::arg("max_cols") = 32,
+           py::arg("max_heads") = 4)
+      .def("_kv_lists_raw", [](const BlockMask& b) {
+        // FlexAttention's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) as
+        // int32 bytes; flexc/__init__.py shapes them [nb, nh, num_q_tiles(, num_kv_tiles)].
+        const BlockMask::Host& h = b.host();
+        return py::make_tuple(raw(h.kv_num), raw(h.kv_idx), raw(h.full_kv_num),
+                              raw(h.full_kv_idx));
+      })
+      .def("__repr__", [](const BlockMask& b) { return b.to_string(8, 8, 1); });
+
+  m.def(
+      "create_block_mask",
+      [](const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
+         const std::map<std::string, py::buffer>& captures,
+         const std::map<std::string, double>& params, int64_t q_tile, int64_t kv_tile,
+         int64_t q_offset) {
+        BlockMaskOptions o;
+        o.q_tile = q_tile, o.kv_tile = kv_tile, o.q_offset = q_offset;
+        o.device = BuildDevice::Cpu;
+        for (const auto& [name, value] : params) o.params[name] = value;
+        for (const auto& [name, a] : captures) {
+          const py::buffer_info info = a.request();
+          const TensorView t = host_view(info, dtype_of(info, declared_dtype(v, name)));
+          o.captures[name] = CaptureData{t.data, nullptr, t.shape, t.strides};
+        }
+        py::gil_scoped_release release;
+        return create_block_mask(v, B, H, q_len, kv_len, o);
+      },
+      py::arg("variant"), py::arg("B"), py::arg("H"), py::arg("q_len"), py::arg("kv_len"),
+      py::arg("captures") = std::map<std::string, py::buffer>{},
+      py::arg("params") = std::map<std::string, double>{}, py::arg("q_tile") = 128,
+      py::arg("kv_tile") = 128, py::arg("q_offset") = 0,
+      "The variant's BlockMask, built on the CPU (interval analysis, then the undecided tiles "
+      "element by element). Captures: numpy arrays in their declared dtype (bf16 as uint16 bits).");
+
+  m.def(
+      "_reference_attention",
+      [](const Variant& v, const py::buffer& q, const py::buffer& k, const py::buffer& val,
+         const std::map<std::string, py::buffer>& captures,
+         const std::map<std::string, double>& params, std::optional<double> scale,
+         const std::string& dtype) {
+        const py::buffer_info qi = q.request(), ki = k.request(), vi = val.request();
+        std::vector<int64_t> qs, ks, vs;
+        ReferenceProblem p;
+        p.q = floats4(qi, "q", qs), p.k = floats4(ki, "k", ks), p.v = floats4(vi, "v", vs);
+        p.batch = qs[0], p.q_heads = qs[1], p.q_len = qs[2], p.head_dim = qs[3];
+        p.kv_heads = ks[1], p.kv_len = ks[2], p.v_head_dim = vs[3];
+        p.scale = scale;
+        p.dtype = parse_dtype(dtype);
+        for (const auto& [name, value] : params) p.params[name] = value;
+        std::vector<py::buffer_info> infos;
+        infos.reserve(captures.size());
+        for (const auto& [name, a] : captures) {
+          infos.push_back(a.request());
+          p.captures[name] = host_view(infos.back(), dtype_of(infos.back(), declared_dtype(v, name)));
+        }
+        ReferenceResult r;
+        {
+          py::gil_scoped_release release;
+          r = reference_attention(v, p);
+        }
+        return py::make_tuple(raw(r.gold_out), raw(r.gold_lse),
+                              py::make_tuple(p.batch, p.q_heads, p.q_len, p.v_head_dim));
+      },
+      py::arg("variant"), py::arg("q"), py::arg("k"), py::arg("v"),
+      py::arg("captures") = std::map<std::string, py::buffer>{},
+      py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
+      py::arg("dtype") = "bf16");
+}

@@ -1,0 +1,139 @@
+"""flexc's Python module on the CPU: variants, errors, BlockMasks, ahead-of-time compilation and
+the float64 reference, against numpy (no GPU needed)."""
+import json
+
+import numpy as np
+import pytest
+
+import flexc
+
+RNG = np.random.default_rng()
+
+
+def test_catalogue_and_expressions():
+    names = flexc.Variant.catalogue_names()
+    assert {"noop", "causal", "alibi", "document", "sliding_window"} <= set(names)
+    alibi = flexc.Variant.from_catalogue("@alibi")
+    assert alibi.name == "alibi"
+    assert [c.name for c in alibi.captures] == ["slope"]
+    assert alibi.captures[0].dims == ["H"]
+    v = flexc.Variant.from_strings("score * 2.0", "q_idx >= kv_idx - window",
+                                   params=[flexc.ParamSpec("window", "int", 16)], name="mine")
+    assert v.name == "mine" and v.params[0].name == "window" and v.params[0].default == 16
+    assert v.score_grad == "2.0"
+    assert v.precision == flexc.Precision.FAST
+    assert v.with_precision(flexc.Precision.EXACT).precision == flexc.Precision.EXACT
+    both = flexc.Variant.from_catalogue("causal") & flexc.Variant.from_catalogue("sliding_window")
+    assert "window" in [p.name for p in both.params]
+
+
+def test_errors_are_value_errors_with_flexc_diagnostics():
+    with pytest.raises(flexc.Error) as e:
+        flexc.Variant.from_strings("score + nope", "true")
+    assert isinstance(e.value, ValueError)
+    assert "unknown name 'nope'" in str(e.value) and "^" in str(e.value)
+    with pytest.raises(flexc.Error, match="catalogue"):
+        flexc.Variant.from_catalogue("no_such_variant")
+    with pytest.raises(flexc.Error, match="unknown kernel 'attention_nope'"):
+        flexc.compile(flexc.Variant.from_catalogue("noop"), "attention_nope", arch="sm_90")
+
+
+def test_json_config():
+    config = {"name": "banded", "score_mod": "score", "mask_mod": "abs(q_idx - kv_idx) <= band",
+              "params": [{"name": "band", "type": "int", "default": 3, "kind": "runtime"}]}
+    v = flexc.Variant.from_json(json.dumps(config))
+    assert v.name == "banded" and v.mask_mod == "abs(q_idx - kv_idx) <= band"
+
+
+def test_block_mask_causal_tiles_and_lists():
+    causal = flexc.Variant.from_catalogue("causal")
+    m = flexc.create_block_mask(causal, 1, 1, 1000, 1000)
+    assert m.num_tiles == (8, 8)
+    assert m.count(flexc.TileKind.PARTIAL) == 8  # the diagonal
+    assert m.count(flexc.TileKind.FULL) == 28
+    assert m.sparsity() == pytest.approx(100 * 28 / 64)
+    kv_num, kv_idx, full_num, full_idx = m.kv_lists()
+    assert kv_num.shape == (1, 1, 8) and kv_idx.shape == (1, 1, 8, 8)
+    assert list(kv_num[0, 0]) == [1] * 8
+    assert list(full_num[0, 0]) == list(range(8))
+    assert all(kv_idx[0, 0, q, 0] == q for q in range(8))
+    # Chunked prefill: rows at positions 256.. are the full mask's rows from q tile 2.
+    chunk = flexc.create_block_mask(causal, 1, 1, 300, 1000, q_offset=256)
+    assert chunk.q_offset == 256
+    assert [chunk.tile(0, 0, 0, k) for k in range(8)] == [m.tile(0, 0, 2, k) for k in range(8)]
+
+
+def test_block_mask_with_captures_and_params():
+    doc = flexc.Variant.from_catalogue("document")
+    ids = np.repeat(np.arange(4, dtype=np.int32), 250)  # four documents of 250 tokens
+    m = flexc.create_block_mask(doc, 1, 1, 1000, 1000, captures={"doc": ids}, q_tile=64,
+                                kv_tile=64)
+    kinds = {(q, k): m.tile(0, 0, q, k) for q in range(16) for k in range(16)}
+    for (q, k), kind in kinds.items():
+        dq = {i // 250 for i in range(q * 64, min(q * 64 + 64, 1000))}
+        dk = {i // 250 for i in range(k * 64, min(k * 64 + 64, 1000))}
+        expect = (flexc.TileKind.EMPTY if not dq & dk else
+                  flexc.TileKind.FULL if len(dq) == 1 and dq == dk else flexc.TileKind.PARTIAL)
+        assert kind == expect, (q, k)
+    with pytest.raises(flexc.Error, match="doc"):
+        flexc.create_block_mask(doc, 1, 1, 1000, 1000, captures={"doc": ids[:999]})
+    with pytest.raises(flexc.Error, match="not one flexc reads"):
+        flexc.create_block_mask(doc, 1, 1, 1000, 1000, captures={"doc": ids.astype(np.int64)})
+    window = flexc.Variant.from_catalogue("sliding_window")
+    narrow = flexc.create_block_mask(window, 1, 1, 1024, 1024, params={"window": 128})
+    wide = flexc.create_block_mask(window, 1, 1, 1024, 1024, params={"window": 1024})
+    assert narrow.sparsity() > wide.sparsity()
+    with pytest.raises(flexc.Error, match="window"):
+        flexc.create_block_mask(window, 1, 1, 64, 64, params={"window": 1.5})
+
+
+def test_compile_ahead_of_time_without_a_gpu():
+    alibi = flexc.Variant.from_catalogue("alibi")
+    fwd = flexc.compile(alibi, "attention_fwd", arch="sm_90", head_dim=64)
+    assert "flexc_attention_fwd" in fwd.ptx and len(fwd.cubin) > 1000
+    assert "slope" in fwd.source  # the generated hooks read the capture
+    dec = flexc.compile(alibi, "attention_decode", arch="sm_90", dtype="fp16")
+    assert dec.key != fwd.key and "flexc_attention_decode" in dec.ptx
+    names = [k.name for k in flexc.kernel_templates("sm_80")]
+    assert "attention_fwd" in names and "attention_fwd_sm90" not in names
+
+
+def direct_attention(q, k, v, scale, score_fn):
+    """float64 attention written out with numpy; score_fn(s, b, h, i, j) -> score or -inf."""
+    B, H, L, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    out = np.zeros((B, H, L, v.shape[3]))
+    lse = np.full((B, H, L), -np.inf)
+    i, j = np.meshgrid(np.arange(L), np.arange(S), indexing="ij")
+    for b in range(B):
+        for h in range(H):
+            hk = h // (H // Hkv)
+            s = score_fn(scale * q[b, h].astype(np.float64) @ k[b, hk].astype(np.float64).T,
+                         b, h, i, j)
+            mx = s.max(axis=1, keepdims=True)
+            ok = np.isfinite(mx[:, 0])
+            p = np.where(ok[:, None], np.exp(s - np.where(ok[:, None], mx, 0)), 0)
+            den = p.sum(axis=1)
+            out[b, h] = np.where(ok[:, None], (p @ v[b, hk]) / np.where(ok, den, 1)[:, None], 0)
+            lse[b, h] = np.where(ok, mx[:, 0] + np.log(np.where(ok, den, 1)), -np.inf)
+    return out, lse
+
+
+def test_reference_matches_numpy():
+    q = RNG.standard_normal((2, 4, 13, 32)).astype(np.float32)
+    k = RNG.standard_normal((2, 2, 21, 32)).astype(np.float32)
+    v = RNG.standard_normal((2, 2, 21, 16)).astype(np.float32)
+    slopes = RNG.standard_normal(4).astype(np.float32)
+    alibi = flexc.Variant.from_catalogue("alibi") & flexc.Variant.from_catalogue("causal")
+    out, lse = flexc.reference_attention(alibi, q, k, v, captures={"slope": slopes}, scale=0.3)
+    assert out.shape == (2, 4, 13, 16) and lse.shape == (2, 4, 13)
+    want_out, want_lse = direct_attention(
+        q, k, v, 0.3,
+        lambda s, b, h, i, j: np.where(i >= j, s + np.float64(slopes[h]) * (j - i), -np.inf))
+    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+    # A row with no key: output 0 and LSE -inf.
+    none = flexc.Variant.from_strings("score", "q_idx != 0")
+    out, lse = flexc.reference_attention(none, q, k, v)
+    assert np.all(out[:, :, 0] == 0) and np.all(lse[:, :, 0] == -np.inf)
+    assert np.isfinite(lse[:, :, 1:]).all()
