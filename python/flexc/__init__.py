@@ -23,10 +23,14 @@ from ._flexc import (  # noqa: F401  (the public names)
     Precision,
     TileKind,
     Variant,
+    _dlpack_view,
     _reference_attention,
+    attention,
+    attention_backward,
     compile,
     compose,
     create_block_mask,
+    decode,
     kernel_templates,
 )
 
@@ -56,6 +60,6 @@ def reference_attention(variant, q, k, v, captures=None, params=None, scale=None
 
 __all__ = [
     "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "ParamSpec", "Precision",
-    "TileKind", "Variant", "compile", "compose", "create_block_mask", "kernel_templates",
-    "reference_attention",
+    "TileKind", "Variant", "attention", "attention_backward", "compile", "compose",
+    "create_block_mask", "decode", "kernel_templates", "reference_attention",
 ]

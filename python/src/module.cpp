@@ -1,7 +1,7 @@
-// flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/), the CPU side:
-// variants, ahead-of-time compilation, BlockMasks built on the CPU, and the float64 reference.
-// Host arrays are numpy arrays; flexc::Error becomes flexc.Error (a ValueError) with flexc's
-// message. The GPU entry points (torch tensors, DLPack) build on this module.
+// flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/): variants,
+// ahead-of-time compilation, BlockMasks built on the CPU, the float64 reference (host arrays:
+// numpy), and the kernels (attention, its backward, decode) on CUDA tensors from any DLPack
+// producer. flexc::Error becomes flexc.Error (a ValueError) with flexc's message.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "dlpack.h"
+#include "flexc/attention.h"
 #include "flexc/blockmask.h"
+#include "flexc/decode.h"
 #include "flexc/error.h"
 #include "flexc/jit.h"
 #include "flexc/reference.h"
@@ -54,6 +57,38 @@ TensorView host_view(const py::buffer_info& b, DType dtype) {
     t.strides.push_back(b.strides[i] / b.itemsize);
   }
   return t;
+}
+
+using python::Borrowed;
+
+// The kernels' stream from the Python argument (an int cudaStream_t; None: the legacy default
+// stream), and the same stream in DLPack's convention for the producers (1: legacy default).
+struct Stream {
+  CUstream_st* cuda;
+  int64_t dlpack;
+  explicit Stream(std::optional<int64_t> s)
+      : cuda(reinterpret_cast<CUstream_st*>(s.value_or(0))), dlpack(s.value_or(0) ? *s : 1) {}
+};
+
+// Captures given as DLPack tensors, by name.
+std::map<std::string, TensorView, std::less<>> capture_views(Borrowed& b, const py::dict& d,
+                                                             const Stream& s) {
+  std::map<std::string, TensorView, std::less<>> out;
+  for (auto [key, value] : d) {
+    const std::string name = py::str(key);
+    out[name] = b.view(value, "captures['" + name + "']", s.dlpack, true);
+  }
+  return out;
+}
+
+// What every kernel call's options share: captures (DLPack), params, scale and the stream.
+template <class Options>
+void set_common(Options& o, Borrowed& b, const Stream& st, const py::dict& captures,
+                const std::map<std::string, double>& params, std::optional<double> scale) {
+  o.captures = capture_views(b, captures, st);
+  for (const auto& [name, value] : params) o.params[name] = value;
+  o.scale = scale;
+  o.stream = st.cuda;
 }
 
 std::string declared_dtype(const Variant& v, const std::string& capture) {
@@ -267,4 +302,119 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("captures") = std::map<std::string, py::buffer>{},
       py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
       py::arg("dtype") = "bf16");
+
+  // ---- the kernels, on CUDA tensors from any DLPack producer (torch, JAX, CuPy)
+
+  m.def(
+      "_dlpack_view",
+      [](py::handle x) {
+        Borrowed b;
+        const TensorView t = b.view(x, "x", 1, false);
+        std::vector<int64_t> strides;
+        for (size_t i = 0; i < t.rank(); ++i) strides.push_back(t.stride(i));
+        return py::make_tuple(std::string(dtype_name(t.dtype)), t.shape, strides);
+      },
+      "(dtype, shape, strides in elements) of a DLPack tensor as flexc reads it (tests).");
+
+  m.def(
+      "attention",
+      [](py::handle q, py::handle k, py::handle v, py::handle out, const Variant& variant,
+         const BlockMask* block_mask, const py::dict& captures,
+         const std::map<std::string, double>& params, std::optional<double> scale,
+         py::handle lse, std::optional<int64_t> stream, const std::string& kernel,
+         int64_t q_offset) {
+        const Stream st(stream);
+        Borrowed b;
+        AttentionOptions o;
+        set_common(o, b, st, captures, params, scale);
+        o.block_mask = block_mask;
+        if (!lse.is_none()) o.lse = b.view(lse, "lse", st.dlpack, true);
+        o.kernel = parse_fwd_kernel(kernel);
+        o.q_offset = q_offset;
+        const TensorView tq = b.view(q, "q", st.dlpack, true), tk = b.view(k, "k", st.dlpack, true),
+                         tv = b.view(v, "v", st.dlpack, true),
+                         to = b.view(out, "out", st.dlpack, true);
+        py::gil_scoped_release release;
+        flexc::attention(tq, tk, tv, to, variant, o);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("variant"), py::kw_only(),
+      py::arg("block_mask") = nullptr, py::arg("captures") = py::dict(),
+      py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
+      py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("kernel") = "auto",
+      py::arg("q_offset") = 0,
+      "flexc::attention on CUDA tensors: q [B, Hq, Q_LEN, D], k / v [B, Hkv, KV_LEN, D / Dv], out "
+      "[B, Hq, Q_LEN, Dv] (bf16 / fp16), lse float32 [B, Hq, Q_LEN]; enqueued on `stream` (an int "
+      "cudaStream_t; None: the legacy default stream). docs/attention.md.");
+
+  m.def(
+      "attention_backward",
+      [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+         py::handle dout, py::handle dq, py::handle dk, py::handle dv, const Variant& variant,
+         const BlockMask* block_mask, const py::dict& captures, const py::dict& capture_grads,
+         const std::map<std::string, double>& params, std::optional<double> scale,
+         py::handle dlse, std::optional<int64_t> stream, std::optional<bool> deterministic,
+         const std::string& kernel) {
+        const Stream st(stream);
+        Borrowed b;
+        BackwardOptions o;
+        set_common(o, b, st, captures, params, scale);
+        o.block_mask = block_mask;
+        if (!dlse.is_none()) o.dlse = b.view(dlse, "dlse", st.dlpack, true);
+        o.deterministic = deterministic;
+        o.kernel = parse_fwd_kernel(kernel);
+        AttentionGrads g;
+        g.dq = b.view(dq, "dq", st.dlpack, true);
+        g.dk = b.view(dk, "dk", st.dlpack, true);
+        g.dv = b.view(dv, "dv", st.dlpack, true);
+        g.captures = capture_views(b, capture_grads, st);
+        const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
+        const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
+                         to = view(out, "out"), tl = view(lse, "lse"), td = view(dout, "dout");
+        py::gil_scoped_release release;
+        flexc::attention_backward(tq, tk, tv, to, tl, td, g, variant, o);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"),
+      py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("variant"), py::kw_only(),
+      py::arg("block_mask") = nullptr, py::arg("captures") = py::dict(),
+      py::arg("capture_grads") = py::dict(), py::arg("params") = std::map<std::string, double>{},
+      py::arg("scale") = py::none(), py::arg("dlse") = py::none(), py::arg("stream") = py::none(),
+      py::arg("deterministic") = py::none(), py::arg("kernel") = "auto",
+      "flexc::attention_backward on CUDA tensors: writes dq, dk, dv and adds into the float32 "
+      "capture_grads (docs/attention.md).");
+
+  m.def(
+      "decode",
+      [](py::handle q, py::handle k, py::handle v, py::handle kv_lens, py::handle out,
+         const Variant& variant, py::handle page_table, py::handle q_offsets,
+         const py::dict& captures, const std::map<std::string, double>& params,
+         std::optional<double> scale, py::handle lse, std::optional<int64_t> stream,
+         int num_splits, int64_t max_kv_len, bool check_device_args) {
+        const Stream st(stream);
+        Borrowed b;
+        const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
+        KvCache cache;
+        cache.k = view(k, "k");
+        cache.v = view(v, "v");
+        cache.kv_lens = view(kv_lens, "kv_lens");
+        if (!page_table.is_none()) cache.page_table = view(page_table, "page_table");
+        if (!q_offsets.is_none()) cache.q_offsets = view(q_offsets, "q_offsets");
+        DecodeOptions o;
+        set_common(o, b, st, captures, params, scale);
+        if (!lse.is_none()) o.lse = view(lse, "lse");
+        o.num_splits = num_splits;
+        o.max_kv_len = max_kv_len;
+        o.check_device_args = check_device_args;
+        const TensorView tq = view(q, "q"), to = view(out, "out");
+        py::gil_scoped_release release;
+        flexc::decode(tq, cache, to, variant, o);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_lens"), py::arg("out"),
+      py::arg("variant"), py::kw_only(), py::arg("page_table") = py::none(),
+      py::arg("q_offsets") = py::none(), py::arg("captures") = py::dict(),
+      py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
+      py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("num_splits") = 0,
+      py::arg("max_kv_len") = 0, py::arg("check_device_args") = false,
+      "flexc::decode on CUDA tensors: a contiguous [B, Hkv, CAP, D] or paged [PAGES, Hkv, "
+      "PAGE_SIZE, D] cache with int32 kv_lens [B] (page_table [B, MAX_PAGES], q_offsets [B]) "
+      "(docs/decode.md).");
 }
