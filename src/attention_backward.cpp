@@ -253,7 +253,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const int64_t delta_floats = (rows + 63) / 64 * 64;
   const int64_t dq_floats = deterministic ? 0 : B * Hq * ((q_len + 63) / 64 * 64) * D;
   const detail::StreamBuffer work(static_cast<size_t>(delta_floats + dq_floats) * sizeof(float),
-                                  opts.stream, kWhat);
+                                  opts.stream, opts.workspace, kWhat);
   FlexcAttentionBwdParams p{};
   FlexcAttentionParams& f = p.fwd;
   f.q = q.data, f.k = k.data, f.v = v.data, f.o = out.data;

@@ -67,8 +67,18 @@ CUmemoryPool workspace_pool(const jit::DriverApi& d) {
 
 }  // namespace
 
-StreamBuffer::StreamBuffer(size_t bytes, CUstream stream, std::string_view what)
-    : stream_(stream) {
+StreamBuffer::StreamBuffer(size_t bytes, CUstream stream, const WorkspaceAllocator& alloc,
+                           std::string_view what)
+    : stream_(stream), owned_(!alloc) {
+  if (alloc) {
+    void* p = alloc(bytes);
+    if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 256 != 0)
+      throw Error(fmt::format("{}: the workspace allocator returned {} for {} bytes; flexc needs "
+                              "device memory aligned to 256 bytes",
+                              what, p, bytes));
+    ptr_ = reinterpret_cast<uintptr_t>(p);
+    return;
+  }
   const jit::DriverApi& d = jit::driver(fmt::format("allocating {}'s workspace", what));
   jit::current_context();
   CUdeviceptr ptr = 0;
@@ -77,7 +87,9 @@ StreamBuffer::StreamBuffer(size_t bytes, CUstream stream, std::string_view what)
   ptr_ = ptr;
 }
 
-StreamBuffer::~StreamBuffer() { jit::driver("freeing workspace").cuMemFreeAsync(ptr_, stream_); }
+StreamBuffer::~StreamBuffer() {
+  if (owned_) jit::driver("freeing workspace").cuMemFreeAsync(ptr_, stream_);
+}
 
 bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misfit,
                 std::string_view what) {

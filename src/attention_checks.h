@@ -44,11 +44,13 @@ bool overlap(const TensorView& a, const TensorView& b);
 // permutation of a packed layout and rejects stride 0 broadcasts).
 bool self_overlaps(const TensorView& t);
 
-// Stream-ordered device memory (workspace), freed on the same stream after the kernels that use
-// it; allowed inside CUDA graph capture. `what` names the call in errors.
+// Stream-ordered device memory (workspace): from the caller's allocator when given, else from
+// flexc's pool and freed on the same stream after the kernels that use it (allowed inside CUDA
+// graph capture). `what` names the call in errors.
 class StreamBuffer {
  public:
-  StreamBuffer(size_t bytes, CUstream_st* stream, std::string_view what);
+  StreamBuffer(size_t bytes, CUstream_st* stream, const WorkspaceAllocator& alloc,
+               std::string_view what);
   ~StreamBuffer();
   StreamBuffer(const StreamBuffer&) = delete;
   StreamBuffer& operator=(const StreamBuffer&) = delete;
@@ -57,6 +59,7 @@ class StreamBuffer {
  private:
   unsigned long long ptr_ = 0;
   CUstream_st* stream_;
+  bool owned_ = true;
 };
 
 // Whether the BlockMask's tiles split into a kernel's block_m x block_n tiles.

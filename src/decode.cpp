@@ -278,7 +278,8 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
   const int64_t out_rows = B * Hq * q_len;
   std::optional<detail::StreamBuffer> work;
   if (splits > 1) {
-    work.emplace(size_t(out_rows) * splits * (Dv + 1) * sizeof(float), opts.stream, kWhat);
+    work.emplace(size_t(out_rows) * splits * (Dv + 1) * sizeof(float), opts.stream, opts.workspace,
+                 kWhat);
     p.o_part = static_cast<float*>(work->get());
     p.lse_part = p.o_part + out_rows * splits * Dv;
   }

@@ -493,6 +493,42 @@ TEST_CASE("decode: empty sequences give 0 and -inf, bad device arguments NaN or 
   CHECK(std::isfinite(r2.lse[8 * 3 + 2]));
 }
 
+TEST_CASE("decode takes its split workspace from the caller's allocator when given one", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  const Variant causal = Variant::from_catalogue("causal");
+  DecodeCase c;
+  c.p.B = 2, c.p.Hq = 8, c.p.Hkv = 2, c.p.Lq = 2, c.p.D = 64, c.p.cap = 3000;
+  c.p.kv_lens = {3000, 1234};
+  c.p.fill();
+  c.splits = 6;
+  const DecodeRun own = run_decode(causal, c, {});
+  // A caller's allocator (a framework's caching allocator): asked once, for the partials.
+  std::vector<flexc::DeviceBuffer> given;
+  std::vector<size_t> asked;
+  DecodeOptions o;
+  o.workspace = [&](size_t bytes) {
+    asked.push_back(bytes);
+    given.emplace_back(bytes);
+    return given.back().get();
+  };
+  const DecodeRun theirs = run_decode(causal, c, o);
+  REQUIRE(asked.size() == 1);
+  CHECK(asked[0] == size_t(2 * 8 * 2) * 6 * (64 + 1) * sizeof(float));
+  CHECK(theirs.out == own.out);
+  CHECK(theirs.lse == own.lse);
+  // One split needs no workspace; a misaligned block is refused by name.
+  c.splits = 1;
+  run_decode(causal, c, o);
+  CHECK(asked.size() == 1);
+  c.splits = 6;
+  o.workspace = [&](size_t bytes) {
+    given.emplace_back(bytes + 256);
+    return static_cast<char*>(given.back().get()) + 16;
+  };
+  CHECK_THROWS_WITH(run_decode(causal, c, o),
+                    Contains("the workspace allocator returned") && Contains("aligned to 256 bytes"));
+}
+
 TEST_CASE("a decode step captured in a CUDA graph replays with new lengths and page tables",
           "[gpu]") {
   SKIP_WITHOUT_GPU();

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cmath>
@@ -33,6 +34,7 @@
 #include "jit/compiler.h"
 #include "jit/jit.h"
 #include "jit/kernels.h"
+#include "jit/nvrtc_api.h"
 #include "jit/splice.h"
 #include "random_expr.h"
 #include "test_random.h"
@@ -733,15 +735,41 @@ TEST_CASE("bad kernel requests get one clear error", "[jit]") {
   CHECK_THROWS_WITH(compile(v, bad), Catch::Contains("bad kernel define 'A B=1'"));
   CHECK_THROWS_WITH(find_kernel("nope"), Catch::Contains("unknown kernel 'nope' (kernels: ") &&
                                              Catch::Contains("mods_eval"));
-  {
-    ScopedEnv h("CUDA_HOME", "/nonexistent/cuda");
-    CHECK_THROWS_WITH(find_toolkit(),
-                      Catch::Contains("the CUDA toolkit's headers were not found: "
-                                      "/nonexistent/cuda (CUDA_HOME) has no include/cuda_fp16.h") &&
-                          Catch::Contains("set CUDA_HOME"));
-  }
-  CHECK(find_toolkit().include_dirs.size() >= 1);
   CHECK(compile(v, {"mods_eval.cuh", "x", {}, "compute_90"}).cubin.empty());
+}
+
+TEST_CASE("NVRTC is searched for in a documented order and a failed search says where it looked",
+          "[jit]") {
+  {
+    ScopedEnv home("CUDA_HOME", "/opt/cuda-a");
+    ScopedEnv path("CUDA_PATH", "");
+    flexc::add_nvrtc_search_dir("/opt/wheel/nvidia/cu13/lib");
+    const std::vector<std::string> c = nvrtc_candidates();
+    const auto at = [&](std::string_view x) {
+      return std::find(c.begin(), c.end(), x) - c.begin();
+    };
+    CHECK(c.front() == "/opt/cuda-a/lib64/libnvrtc.so.13");
+    CHECK(at("/opt/cuda-a/lib64/libnvrtc.so.12") == 1);
+    CHECK(at("/opt/cuda-a/lib64/libnvrtc.so.12") < at("/usr/local/cuda/lib64/libnvrtc.so.13"));
+    CHECK(at("/usr/local/cuda/lib64/libnvrtc.so.13") <
+          at("/opt/wheel/nvidia/cu13/lib/libnvrtc.so.13"));
+    CHECK(at("/opt/wheel/nvidia/cu13/lib/libnvrtc.so.13") < at("libnvrtc.so.13"));
+    CHECK(c.back() == "libnvrtc.so.12");
+  }
+  {
+    ScopedEnv forced("FLEXC_NVRTC", "/x/libnvrtc.so");
+    CHECK(nvrtc_candidates() == std::vector<std::string>{"/x/libnvrtc.so"});
+  }
+  const NvrtcLoad none = load_nvrtc({"/nonexistent/libnvrtc.so.13", "libc.so.6"});
+  CHECK_THAT(none.error, Catch::Contains("NVRTC (the CUDA runtime compiler, libnvrtc.so.13) was "
+                                         "not found. Tried:") &&
+                             Catch::Contains("/nonexistent/libnvrtc.so.13: not found") &&
+                             Catch::Contains("libc.so.6: lacks nvrtcVersion") &&
+                             Catch::Contains("set FLEXC_NVRTC"));
+  // This machine's NVRTC (the toolkit's) loads, and the cache keys name the file loaded.
+  const NvrtcLoad real = load_nvrtc(nvrtc_candidates());
+  REQUIRE(real.error.empty());
+  CHECK_THAT(nvrtc_identity(), Catch::Contains(real.api.path));
 }
 
 // ---- templates x catalogue

@@ -85,6 +85,7 @@ struct BackwardOptions {
   // [B, Hq, Q_LEN], contiguous.
   std::optional<TensorView> dlse;
   CUstream_st* stream = nullptr;
+  WorkspaceAllocator workspace;  // B * Hq * Q_LEN * (D + 1) floats at most; unset: flexc's pool
   // true: dq by a second kernel that walks each q tile's row and recomputes what dq needs,
   // without atomics, so dq, dk and dv are bitwise identical across runs (capture gradients still
   // use atomics). false: dq added in float32 inside the main kernel (atomics, or bulk reduce-adds

@@ -51,6 +51,7 @@ struct DecodeOptions {
   // float32 [B, Hq, Q_LEN], contiguous: receives each query's log-sum-exp (natural log).
   std::optional<TensorView> lse;
   CUstream_st* stream = nullptr;
+  WorkspaceAllocator workspace;  // for splits > 1: B * Hq * Q_LEN * splits * (Dv + 1) floats
   // KV splits per sequence. 0: chosen so that the launch fills the GPU (FlashAttention's
   // wave-efficiency rule, for sequences of max_kv_len keys); 1 to 256: forced.
   int num_splits = 0;

@@ -76,4 +76,10 @@ std::vector<KernelCacheEntry> kernel_cache_entries();  // most recently used fir
 // Removes every entry, lock and temporary file; returns the number of entries.
 size_t clear_kernel_cache();
 
+// NVRTC is loaded on first use: $FLEXC_NVRTC (a path) when set, else from the CUDA toolkit
+// ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda), else from the directories added here, else by the
+// loader's search path (docs/jit.md). The Python package adds the nvidia-cuda-nvrtc wheel's.
+// Takes effect only before the first compile.
+void add_nvrtc_search_dir(const std::string& dir);
+
 }  // namespace flexc

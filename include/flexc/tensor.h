@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,5 +42,13 @@ struct TensorView {
   // "bf16 [2, 8, 1024, 128] strides [1048576, 131072, 128, 1]"
   std::string describe() const;
 };
+
+// Device memory for a call's temporaries (the backward's row sums and dq accumulator, decode's
+// split partials), from the caller's allocator: flexc asks for `bytes` for work enqueued on the
+// call's stream and never frees it; the allocator keeps it valid until that work is done (a
+// framework's stream-ordered caching allocator may take it back as soon as the call returns).
+// It must return memory on the current device aligned to 256 bytes, or throw. Unset: flexc's own
+// stream-ordered pool.
+using WorkspaceAllocator = std::function<void*(size_t bytes)>;
 
 }  // namespace flexc

@@ -1,71 +1,40 @@
 #include "compiler.h"
 
-#include <dlfcn.h>
 #include <fmt/format.h>
-#include <nvrtc.h>
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 
 #include "dsl/diagnostics.h"
 #include "flexc/error.h"
+#include "nvrtc_api.h"
 
 namespace flexc::jit {
 
 namespace fs = std::filesystem;
 
-Toolkit find_toolkit() {
-  const char* where = "the default location";
-  fs::path root = "/usr/local/cuda";
-  for (const char* var : {"CUDA_HOME", "CUDA_PATH"})
-    if (const char* v = std::getenv(var); v && *v) {
-      where = var;
-      root = v;
-      break;
-    }
-  std::error_code ec;
-  if (!fs::exists(root / "include" / "cuda_fp16.h", ec))
-    throw Error(fmt::format(
-        "the CUDA toolkit's headers were not found: {} ({}) has no include/cuda_fp16.h. Install "
-        "the CUDA toolkit (12.x or 13.x) or set CUDA_HOME to the directory holding it",
-        root.string(), where));
-  Toolkit t{root, {(root / "include").string()}};
-  if (fs::exists(root / "include" / "cccl", ec))
-    t.include_dirs.push_back((root / "include" / "cccl").string());
-  return t;
-}
-
-const Toolkit& toolkit() {
-  static const Toolkit tk = find_toolkit();
-  return tk;
-}
-
 const std::string& nvrtc_identity() {
   static const std::string id = [] {
+    const NvrtcApi& api = nvrtc("finding NVRTC");
     int major = 0, minor = 0;
-    nvrtcVersion(&major, &minor);
-    std::string lib = "?";
-    uintmax_t bytes = 0;
-    Dl_info info{};
-    if (dladdr(dlsym(RTLD_DEFAULT, "nvrtcVersion"), &info) && info.dli_fname) {
-      std::error_code ec;
-      const fs::path p = fs::canonical(info.dli_fname, ec);
-      lib = ec ? info.dli_fname : p.string();
-      bytes = fs::file_size(lib, ec);
-    }
-    return fmt::format("nvrtc {}.{} {} ({} bytes)", major, minor, lib, bytes);
+    api.nvrtcVersion(&major, &minor);
+    std::error_code ec;
+    const uintmax_t bytes = fs::file_size(api.path, ec);
+    return fmt::format("nvrtc {}.{} {} ({} bytes)", major, minor, api.path, ec ? 0 : bytes);
   }();
   return id;
 }
 
 static std::vector<int> supported_archs() {
+  const NvrtcApi& api = nvrtc("listing NVRTC's architectures");
   int n = 0;
-  nvrtcGetNumSupportedArchs(&n);
+  api.nvrtcGetNumSupportedArchs(&n);
   std::vector<int> archs(static_cast<size_t>(n));
-  if (n > 0) nvrtcGetSupportedArchs(archs.data());
+  if (n > 0) api.nvrtcGetSupportedArchs(archs.data());
   return archs;
 }
 
@@ -103,7 +72,6 @@ std::vector<std::string> nvrtc_options(
   check_arch(arch);
   std::vector<std::string> opts = {fmt::format("--gpu-architecture={}", arch), "-std=c++17",
                                    "-default-device", "--extra-device-vectorization"};
-  for (const std::string& dir : toolkit().include_dirs) opts.push_back("-I" + dir);
   for (const auto& [name, value] : defines) {
     if (!is_identifier(name) || value.find_first_of("\r\n") != std::string::npos)
       throw Error(
@@ -228,15 +196,15 @@ std::string explain_nvrtc_log(std::string_view log, const ErrorContext& ctx) {
 namespace {
 
 struct Program {
+  const NvrtcApi& api;
   nvrtcProgram p = nullptr;
   ~Program() {
-    if (p) nvrtcDestroyProgram(&p);
+    if (p) api.nvrtcDestroyProgram(&p);
+  }
+  void check(nvrtcResult r, std::string_view doing) const {
+    if (r != NVRTC_SUCCESS) throw Error(fmt::format("{}: {}", doing, api.nvrtcGetErrorString(r)));
   }
 };
-
-void check_nvrtc(nvrtcResult r, std::string_view doing) {
-  if (r != NVRTC_SUCCESS) throw Error(fmt::format("{}: {}", doing, nvrtcGetErrorString(r)));
-}
 
 }  // namespace
 
@@ -250,31 +218,32 @@ NvrtcOutput nvrtc_compile(const Unit& unit, const std::vector<std::string>& opti
   for (const std::string& o : options) opts.push_back(o.c_str());
 
   const auto t0 = std::chrono::steady_clock::now();
-  Program prog;
-  check_nvrtc(nvrtcCreateProgram(&prog.p, unit.main.text.c_str(), unit.main.name.c_str(),
+  Program prog{nvrtc(ctx.what)};
+  const NvrtcApi& api = prog.api;
+  prog.check(api.nvrtcCreateProgram(&prog.p, unit.main.text.c_str(), unit.main.name.c_str(),
                                  static_cast<int>(names.size()), texts.data(), names.data()),
               ctx.what);
-  const nvrtcResult r = nvrtcCompileProgram(prog.p, static_cast<int>(opts.size()), opts.data());
+  const nvrtcResult r = api.nvrtcCompileProgram(prog.p, static_cast<int>(opts.size()), opts.data());
   NvrtcOutput out;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   size_t n = 0;
-  nvrtcGetProgramLogSize(prog.p, &n);
+  api.nvrtcGetProgramLogSize(prog.p, &n);
   out.log.assign(n, '\0');
-  if (n) nvrtcGetProgramLog(prog.p, out.log.data());
+  if (n) api.nvrtcGetProgramLog(prog.p, out.log.data());
   while (!out.log.empty() && out.log.back() == '\0') out.log.pop_back();
   if (r != NVRTC_SUCCESS) {
     if (r != NVRTC_ERROR_COMPILATION)
-      throw Error(fmt::format("{}: {}\n{}", ctx.what, nvrtcGetErrorString(r), out.log));
+      throw Error(fmt::format("{}: {}\n{}", ctx.what, api.nvrtcGetErrorString(r), out.log));
     throw Error(explain_nvrtc_log(out.log, ctx));
   }
-  check_nvrtc(nvrtcGetPTXSize(prog.p, &n), ctx.what);
+  prog.check(api.nvrtcGetPTXSize(prog.p, &n), ctx.what);
   out.ptx.resize(n);
-  check_nvrtc(nvrtcGetPTX(prog.p, out.ptx.data()), ctx.what);
+  prog.check(api.nvrtcGetPTX(prog.p, out.ptx.data()), ctx.what);
   while (!out.ptx.empty() && out.ptx.back() == '\0') out.ptx.pop_back();
   if (options.front().starts_with("--gpu-architecture=sm_")) {
-    check_nvrtc(nvrtcGetCUBINSize(prog.p, &n), ctx.what);
+    prog.check(api.nvrtcGetCUBINSize(prog.p, &n), ctx.what);
     out.cubin.resize(n);
-    check_nvrtc(nvrtcGetCUBIN(prog.p, out.cubin.data()), ctx.what);
+    prog.check(api.nvrtcGetCUBIN(prog.p, out.cubin.data()), ctx.what);
   }
   return out;
 }

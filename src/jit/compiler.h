@@ -1,8 +1,7 @@
-// NVRTC: the CUDA toolkit's headers, the compiler's identity (part of every cache key), the
+// NVRTC (src/jit/nvrtc_api.h loads it): the compiler's identity (part of every cache key), the
 // options flexc compiles with, and compile errors turned into diagnostics.
 #pragma once
 
-#include <filesystem>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -13,15 +12,6 @@
 
 namespace flexc::jit {
 
-// The toolkit whose headers NVRTC sees: $CUDA_HOME, else $CUDA_PATH, else /usr/local/cuda. Throws
-// flexc::Error saying how to fix it when the chosen place holds no CUDA headers.
-struct Toolkit {
-  std::filesystem::path root;
-  std::vector<std::string> include_dirs;  // include/ and, from CUDA 13, include/cccl
-};
-Toolkit find_toolkit();
-const Toolkit& toolkit();  // find_toolkit(), once per process
-
 // "nvrtc 13.0 /usr/local/cuda/lib64/libnvrtc.so.13.0.48 (123456 bytes)": the version and which
 // library build is loaded.
 const std::string& nvrtc_identity();
@@ -29,8 +19,8 @@ const std::string& nvrtc_identity();
 // Throws flexc::Error unless NVRTC can target `arch` (sm_80, sm_90a, compute_90, ...).
 void check_arch(std::string_view arch);
 
-// Every option, in order: the architecture, the dialect, the toolkit's include directories, the
-// kernel's -D defines, and -lineinfo when FLEXC_LINEINFO=1.
+// Every option, in order: the architecture, the dialect, the kernel's -D defines, and -lineinfo
+// when FLEXC_LINEINFO=1. No include directories: the templates include no toolkit header.
 std::vector<std::string> nvrtc_options(
     std::string_view arch, const std::vector<std::pair<std::string, std::string>>& defines);
 
