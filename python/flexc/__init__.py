@@ -11,8 +11,12 @@ This module is the CPU side of the C++ library (variants, ahead-of-time compilat
 the CPU, the float64 reference); errors raise flexc.Error (a ValueError) with flexc's message.
 See docs/python.md.
 """
+import importlib.util
+import os
+
 import numpy as np
 
+from . import _flexc
 from ._flexc import (  # noqa: F401  (the public names)
     BlockMask,
     CaptureSpec,
@@ -33,6 +37,24 @@ from ._flexc import (  # noqa: F401  (the public names)
     decode,
     kernel_templates,
 )
+
+
+def _nvrtc_wheel_dirs():
+    """lib/ of NVIDIA's NVRTC wheels (nvidia-cuda-nvrtc: nvidia/cu13; the CUDA 12 one:
+    nvidia/cuda_nvrtc), searched after the CUDA toolkit: a pip user needs no toolkit."""
+    for package in ("nvidia.cu13", "nvidia.cuda_nvrtc"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            lib = os.path.join(root, "lib")
+            if os.path.isdir(lib):
+                yield lib
+
+
+for _dir in _nvrtc_wheel_dirs():
+    _flexc.add_nvrtc_search_dir(_dir)
 
 
 def _kv_lists(self):
@@ -63,3 +85,4 @@ __all__ = [
     "TileKind", "Variant", "attention", "attention_backward", "compile", "compose",
     "create_block_mask", "decode", "kernel_templates", "reference_attention",
 ]
+# flexc.torch (FlexAttention's API on torch tensors) is imported on its own: `import flexc.torch`.

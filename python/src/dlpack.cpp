@@ -1,6 +1,7 @@
 #include "dlpack.h"
 
 #include <fmt/format.h>
+#include <pybind11/stl.h>
 
 #include "flexc/error.h"
 
@@ -43,6 +44,7 @@ Borrowed::~Borrowed() {
 }
 
 TensorView Borrowed::view(py::handle obj, const std::string& name, int64_t stream, bool cuda) {
+  if (py::isinstance<py::tuple>(obj)) return raw_view(obj.cast<py::tuple>(), name);
   if (!py::hasattr(obj, "__dlpack__") || !py::hasattr(obj, "__dlpack_device__"))
     throw Error(fmt::format("{}: expected a tensor with __dlpack__ (torch, JAX, CuPy, numpy); got "
                             "{}",
@@ -74,6 +76,24 @@ TensorView Borrowed::view(py::handle obj, const std::string& name, int64_t strea
   v.data = static_cast<char*>(d.data) + d.byte_offset;
   v.shape.assign(d.shape, d.shape + d.ndim);
   if (d.strides != nullptr) v.strides.assign(d.strides, d.strides + d.ndim);
+  return v;
+}
+
+TensorView Borrowed::raw_view(const py::tuple& t, const std::string& name) {
+  if (t.size() != 5)
+    throw Error(fmt::format("{}: a raw view is (data_ptr, dtype, shape, strides, CUDA device); "
+                            "got a tuple of {}",
+                            name, t.size()));
+  TensorView v;
+  v.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  v.dtype = parse_dtype(t[1].cast<std::string>());
+  v.shape = t[2].cast<std::vector<int64_t>>();
+  v.strides = t[3].cast<std::vector<int64_t>>();
+  const int dev = t[4].cast<int>();
+  if (device_ >= 0 && dev != device_)
+    throw Error(fmt::format("{} is on CUDA device {}, other tensors on device {}", name, dev,
+                            device_));
+  device_ = dev;
   return v;
 }
 

@@ -53,12 +53,16 @@ class Borrowed {
   // errors. `stream`: the consumer's CUDA stream handed to a CUDA producer (DLPack's convention:
   // 1 = the legacy default stream), so that the data is ready on it. `cuda`: refuse a tensor that
   // is not in CUDA device memory.
+  // A tuple is taken as a raw view instead: (data_ptr, dtype name, shape, strides in elements,
+  // CUDA device index), which flexc.torch reads off torch tensors it has checked are on the GPU
+  // (torch's __dlpack__ costs about 25 us a tensor in Python; this, about 1).
   TensorView view(pybind11::handle obj, const std::string& name, int64_t stream, bool cuda);
   // The CUDA device of the CUDA tensors seen so far (-1: none yet); views on two devices are an
   // error.
   int device() const { return device_; }
 
  private:
+  TensorView raw_view(const pybind11::tuple& t, const std::string& name);
   std::vector<DLManagedTensor*> held_;
   int device_ = -1;
 };

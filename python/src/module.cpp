@@ -91,6 +91,16 @@ void set_common(Options& o, Borrowed& b, const Stream& st, const py::dict& captu
   o.stream = st.cuda;
 }
 
+// A Python callable (bytes -> int device pointer that it keeps valid on the stream, such as a
+// framework's caching allocator) as flexc's workspace allocator; None: flexc's own pool.
+WorkspaceAllocator workspace_from(const py::object& fn) {
+  if (fn.is_none()) return {};
+  return [fn](size_t bytes) -> void* {
+    py::gil_scoped_acquire gil;
+    return reinterpret_cast<void*>(fn(bytes).cast<uintptr_t>());
+  };
+}
+
 std::string declared_dtype(const Variant& v, const std::string& capture) {
   for (const CaptureSpec& c : v.captures())
     if (c.name == capture) return c.dtype;
@@ -192,6 +202,9 @@ PYBIND11_MODULE(_flexc, m) {
       .def_readonly("description", &KernelInfo::description)
       .def_readonly("only_arch", &KernelInfo::only_arch);
   m.def("kernel_templates", &kernel_templates, py::arg("arch") = "");
+  m.def("add_nvrtc_search_dir", &add_nvrtc_search_dir, py::arg("dir"),
+        "A directory searched for NVRTC after the CUDA toolkit's (docs/jit.md); before the first "
+        "compile only.");
 
   py::class_<CompiledKernel>(m, "CompiledKernel")
       .def_readonly("arch", &CompiledKernel::arch)
@@ -249,25 +262,52 @@ PYBIND11_MODULE(_flexc, m) {
       [](const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
          const std::map<std::string, py::buffer>& captures,
          const std::map<std::string, double>& params, int64_t q_tile, int64_t kv_tile,
-         int64_t q_offset) {
+         int64_t q_offset, const std::string& device, const py::dict& device_captures,
+         std::optional<int64_t> stream) {
         BlockMaskOptions o;
         o.q_tile = q_tile, o.kv_tile = kv_tile, o.q_offset = q_offset;
-        o.device = BuildDevice::Cpu;
+        if (device == "cpu") o.device = BuildDevice::Cpu;
+        else if (device == "gpu") o.device = BuildDevice::Gpu;
+        else if (device == "auto") o.device = BuildDevice::Auto;
+        else throw Error("create_block_mask: device must be 'cpu', 'gpu' or 'auto'; got '" + device + "'");
         for (const auto& [name, value] : params) o.params[name] = value;
+        std::vector<py::buffer_info> infos;
+        infos.reserve(captures.size());
         for (const auto& [name, a] : captures) {
-          const py::buffer_info info = a.request();
-          const TensorView t = host_view(info, dtype_of(info, declared_dtype(v, name)));
+          infos.push_back(a.request());
+          const TensorView t = host_view(infos.back(), dtype_of(infos.back(), declared_dtype(v, name)));
           o.captures[name] = CaptureData{t.data, nullptr, t.shape, t.strides};
         }
+        // Device copies (DLPack) of host captures, for a GPU build's element evaluation.
+        const Stream st(stream);
+        Borrowed b;
+        for (auto [key, value] : device_captures) {
+          const std::string name = py::str(key);
+          auto it = o.captures.find(name);
+          if (it == o.captures.end())
+            throw Error("create_block_mask: device_captures['" + name +
+                        "'] has no host copy in captures");
+          const TensorView t = b.view(value, "device_captures['" + name + "']", st.dlpack, true);
+          const TensorView host{nullptr, t.dtype, it->second.shape, it->second.strides};
+          bool same = t.shape == host.shape;
+          for (size_t i = 0; same && i < t.rank(); ++i) same = t.stride(i) == host.stride(i);
+          if (!same)
+            throw Error("create_block_mask: device_captures['" + name + "'] is " + t.describe() +
+                        "; it must have its host copy's shape and strides");
+          if (o.device != BuildDevice::Cpu) it->second.device = t.data;
+        }
         py::gil_scoped_release release;
-        return create_block_mask(v, B, H, q_len, kv_len, o);
+        return create_block_mask(v, B, H, q_len, kv_len, o, st.cuda);
       },
       py::arg("variant"), py::arg("B"), py::arg("H"), py::arg("q_len"), py::arg("kv_len"),
       py::arg("captures") = std::map<std::string, py::buffer>{},
       py::arg("params") = std::map<std::string, double>{}, py::arg("q_tile") = 128,
-      py::arg("kv_tile") = 128, py::arg("q_offset") = 0,
-      "The variant's BlockMask, built on the CPU (interval analysis, then the undecided tiles "
-      "element by element). Captures: numpy arrays in their declared dtype (bf16 as uint16 bits).");
+      py::arg("kv_tile") = 128, py::arg("q_offset") = 0, py::arg("device") = "cpu",
+      py::arg("device_captures") = py::dict(), py::arg("stream") = py::none(),
+      "The variant's BlockMask: interval analysis on the CPU, then the undecided tiles element by "
+      "element on the CPU (device='cpu') or the GPU ('gpu', enqueued on `stream`). Captures: "
+      "numpy arrays in their declared dtype (bf16 as uint16 bits); device_captures: the same "
+      "tensors on the GPU (DLPack), read by a GPU build.");
 
   m.def(
       "_reference_attention",
@@ -353,11 +393,12 @@ PYBIND11_MODULE(_flexc, m) {
          const BlockMask* block_mask, const py::dict& captures, const py::dict& capture_grads,
          const std::map<std::string, double>& params, std::optional<double> scale,
          py::handle dlse, std::optional<int64_t> stream, std::optional<bool> deterministic,
-         const std::string& kernel) {
+         const std::string& kernel, const py::object& workspace) {
         const Stream st(stream);
         Borrowed b;
         BackwardOptions o;
         set_common(o, b, st, captures, params, scale);
+        o.workspace = workspace_from(workspace);
         o.block_mask = block_mask;
         if (!dlse.is_none()) o.dlse = b.view(dlse, "dlse", st.dlpack, true);
         o.deterministic = deterministic;
@@ -379,8 +420,10 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("capture_grads") = py::dict(), py::arg("params") = std::map<std::string, double>{},
       py::arg("scale") = py::none(), py::arg("dlse") = py::none(), py::arg("stream") = py::none(),
       py::arg("deterministic") = py::none(), py::arg("kernel") = "auto",
+      py::arg("workspace") = py::none(),
       "flexc::attention_backward on CUDA tensors: writes dq, dk, dv and adds into the float32 "
-      "capture_grads (docs/attention.md).");
+      "capture_grads (docs/attention.md). workspace: a callable (bytes -> device pointer kept "
+      "valid on the stream) for the temporaries; None: flexc's pool.");
 
   m.def(
       "decode",
@@ -388,7 +431,7 @@ PYBIND11_MODULE(_flexc, m) {
          const Variant& variant, py::handle page_table, py::handle q_offsets,
          const py::dict& captures, const std::map<std::string, double>& params,
          std::optional<double> scale, py::handle lse, std::optional<int64_t> stream,
-         int num_splits, int64_t max_kv_len, bool check_device_args) {
+         int num_splits, int64_t max_kv_len, bool check_device_args, const py::object& workspace) {
         const Stream st(stream);
         Borrowed b;
         const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
@@ -404,6 +447,7 @@ PYBIND11_MODULE(_flexc, m) {
         o.num_splits = num_splits;
         o.max_kv_len = max_kv_len;
         o.check_device_args = check_device_args;
+        o.workspace = workspace_from(workspace);
         const TensorView tq = view(q, "q"), to = view(out, "out");
         py::gil_scoped_release release;
         flexc::decode(tq, cache, to, variant, o);
@@ -414,6 +458,7 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
       py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("num_splits") = 0,
       py::arg("max_kv_len") = 0, py::arg("check_device_args") = false,
+      py::arg("workspace") = py::none(),
       "flexc::decode on CUDA tensors: a contiguous [B, Hkv, CAP, D] or paged [PAGES, Hkv, "
       "PAGE_SIZE, D] cache with int32 kv_lens [B] (page_table [B, MAX_PAGES], q_offsets [B]) "
       "(docs/decode.md).");

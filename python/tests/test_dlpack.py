@@ -39,3 +39,18 @@ def test_kernels_refuse_host_memory_before_any_gpu_work():
         flexc.decode(q, q, q, lens, q, noop)
     with pytest.raises(flexc.Error, match="dq is in cpu memory"):
         flexc.attention_backward(q, q, q, q, np.zeros((1, 2, 16), np.float32), q, q, q, q, noop)
+
+
+def test_raw_views_from_flexc_torch():
+    # flexc.torch hands tensors over as (data_ptr, dtype, shape, strides, device) tuples.
+    assert flexc._dlpack_view((4096, "bf16", (2, 5, 3, 8), (120, 8, 40, 1), 0)) == \
+        ("bf16", [2, 5, 3, 8], [120, 8, 40, 1])
+    with pytest.raises(flexc.Error, match="x: a raw view is .* got a tuple of 2"):
+        flexc._dlpack_view((4096, "bf16"))
+    with pytest.raises(flexc.Error, match="unknown dtype|dtype"):
+        flexc._dlpack_view((4096, "torch.int64", (2,), (1,), 0))
+    noop = flexc.Variant.from_catalogue("noop")
+    a = (4096, "bf16", (1, 2, 16, 64), (2048, 1024, 64, 1), 0)
+    b = (4096, "bf16", (1, 2, 16, 64), (2048, 1024, 64, 1), 1)
+    with pytest.raises(flexc.Error, match="k is on CUDA device 1, other tensors on device 0"):
+        flexc.attention(a, b, a, a, noop)
