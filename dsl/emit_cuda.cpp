@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <cctype>
 #include <cmath>
@@ -417,8 +418,8 @@ std::vector<NodeId> column_loads(const Graph& g) {
   return out;
 }
 
-// The column loads of `g` as 32-bit words into cv[], and the `_cols` twin of its value hook,
-// which reads them back from cv[].
+// Loads of `g` as 32-bit words into cv[] (score_columns: the column loads; score_tiles: the tile
+// loads, element by element), which the `_cols` twin of its value hook reads back.
 std::string column_loader(const Graph& g, const Decls& decls, std::string_view marker,
                           const std::vector<NodeId>& loads, const char* name) {
   BodyWriter w(g, decls, marker, FloatMath::Exact);
@@ -432,16 +433,37 @@ std::string column_loader(const Graph& g, const Decls& decls, std::string_view m
                                          : fmt::format("(unsigned){}", w.ref(loads[k])));
   }
   return hook("void", name,
-              "const FlexcArgs& a, int b, int h, int kv_idx, int q_len, int kv_len, unsigned* cv",
+              "const FlexcArgs& a, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len, "
+              "unsigned* cv",
               body);
 }
 
+// The dim of load `id` that kv_idx itself indexes, at a dim of length KV_LEN, with every other
+// index free of kv_idx; -1 when the load is not of that form. Consecutive keys are then
+// consecutive elements wherever that dim's stride is 1.
+int kv_dim(const Graph& g, const Decls& decls, NodeId id) {
+  const Node& n = g[id];
+  const CaptureDecl& c = decls.captures.at(n.slot);
+  int dim = -1;
+  for (int d = 0; d < n.nargs; ++d) {
+    const Node& i = g[n.args[d]];
+    if (i.op == Op::Input && i.input == Input::KvIdx && dim < 0 && in_range(Input::KvIdx, c.dims[d]))
+      dim = d;
+    else if (dependencies(g, n.args[d]).reads(Input::KvIdx))
+      return -1;
+  }
+  return dim;
+}
+
+// Element type codes the kernels switch on: 0 float32, 1 bf16, 2 fp16, 3 int32, 4 bool.
+int type_code(DType t) {
+  return t == DType::F32 ? 0 : t == DType::BF16 ? 1 : t == DType::F16 ? 2 : t == DType::I32 ? 3 : 4;
+}
+
 // The kernels' fast path for column loads (ScoreTile::load_columns): when every one reads
-// capture[..., kv_idx, ...] with kv_idx itself at a dim of length KV_LEN and the other indices
-// free of kv_idx, consecutive keys are consecutive elements wherever that dim's stride is 1, and
-// a kernel loads two adjacent columns at once from the offset at kv_idx = 0. Per load: the
-// capture slot, that dim, the element type (0 float32, 1 bf16, 2 fp16, 3 int32, 4 bool); empty
-// when some load is not of that form.
+// capture[..., kv_idx, ...] (kv_dim), a kernel loads two adjacent columns at once from the offset
+// at kv_idx = 0. Per load: the capture slot, that dim, the element type; empty when some load is
+// not of that form.
 struct ColumnLayout {
   size_t slot, dim;
   int type;
@@ -450,39 +472,56 @@ std::vector<ColumnLayout> affine_columns(const Graph& g, const Decls& decls,
                                          const std::vector<NodeId>& loads) {
   std::vector<ColumnLayout> out;
   for (NodeId id : loads) {
-    const Node& n = g[id];
-    const CaptureDecl& c = decls.captures.at(n.slot);
-    int dim = -1;
-    for (int d = 0; d < n.nargs; ++d) {
-      const Node& i = g[n.args[d]];
-      if (i.op == Op::Input && i.input == Input::KvIdx && dim < 0 && in_range(Input::KvIdx, c.dims[d]))
-        dim = d;
-      else if (dependencies(g, n.args[d]).reads(Input::KvIdx))
-        return {};
-    }
+    const int dim = kv_dim(g, decls, id);
     if (dim < 0) return {};
-    const int type = c.dtype == DType::F32    ? 0
-                     : c.dtype == DType::BF16 ? 1
-                     : c.dtype == DType::F16  ? 2
-                     : c.dtype == DType::I32  ? 3
-                                              : 4;
-    out.push_back({n.slot, size_t(dim), type});
+    out.push_back({g[id].slot, size_t(dim), type_code(decls.captures.at(g[id].slot).dtype)});
   }
   return out;
 }
 
-// Each column load's element offset (called with kv_idx = 0 on the fast path).
-std::string column_offsets(const Graph& g, const Decls& decls, std::string_view marker,
-                           const std::vector<NodeId>& loads) {
+// Tile loads: score_mod's loads of a 16-bit capture indexed by q_idx and by kv_idx itself
+// (kv_dim: a [Q_LEN, KV_LEN] bias, or [B, H, Q_LEN, KV_LEN]), not by the score; at most
+// kMaxTileLoads. The Hopper kernel loads a thread's whole share of the tile ahead of its scores,
+// two adjacent keys in one 32-bit load from each row's offset at kv_idx = 0 (or element by element
+// where that does not apply), instead of a gather with its address arithmetic per score. One:
+// their words stay in registers across the wait.
+constexpr size_t kMaxTileLoads = 1;
+
+struct TileLoad {
+  NodeId id;
+  ColumnLayout layout;
+};
+std::vector<TileLoad> tile_loads(const Graph& g, const Decls& decls) {
+  std::vector<TileLoad> out;
+  const std::vector<char> used = reachable(g, g.root);
+  for (NodeId id = 0; id <= g.root && out.size() < kMaxTileLoads; ++id) {
+    if (!used[id] || g[id].op != Op::Load) continue;
+    const Deps d = dependencies(g, id);
+    const DType t = decls.captures.at(g[id].slot).dtype;
+    if (!d.reads(Input::KvIdx) || !d.reads(Input::QIdx) || d.reads(Input::Score) ||
+        (t != DType::BF16 && t != DType::F16))
+      continue;
+    const int dim = kv_dim(g, decls, id);
+    if (dim >= 0) out.push_back({id, {g[id].slot, size_t(dim), type_code(t)}});
+  }
+  return out;
+}
+
+// Each load's element offset (called with kv_idx = 0 on the fast paths): `name` is
+// score_column_offsets or score_tile_offsets.
+std::string load_offsets(const Graph& g, const Decls& decls, std::string_view marker,
+                         const std::vector<NodeId>& loads, const char* name) {
   BodyWriter w(g, decls, marker, FloatMath::Exact);
   for (NodeId id : loads) w.need_offset(id);
   std::string body = w.write();
   for (size_t k = 0; k < loads.size(); ++k) body += fmt::format("    o[{}] = o{};\n", k, loads[k]);
-  return hook("void", "score_column_offsets",
-              "const FlexcArgs& a, int b, int h, int kv_idx, int q_len, int kv_len, long long* o",
+  return hook("void", name,
+              "const FlexcArgs& a, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len, "
+              "long long* o",
               body);
 }
 
+// `loads` (the column loads, then the tile loads) read from cv[].
 std::string columns_hook(const Graph& g, const Decls& decls, std::string_view marker,
                          FloatMath math, const std::vector<NodeId>& loads, const char* ret,
                          const char* name, const char* params) {
@@ -497,6 +536,12 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
   std::string body = w.write();
   body += fmt::format("    return {};\n", w.ref(g.root));
   return hook(ret, name, fmt::format("{}, const unsigned* cv", params).c_str(), body);
+}
+
+bool tiles_share_heads(const Graph& score, const std::vector<TileLoad>& tiles) {
+  return !tiles.empty() && std::none_of(tiles.begin(), tiles.end(), [&](const TileLoad& t) {
+    return dependencies(score, t.id).reads(Input::H);
+  });
 }
 
 // The variant name may hold anything: keep it to characters that cannot end the comment.
@@ -540,11 +585,14 @@ std::string emit_cuda_variant(const EmitInput& in) {
   const Deps mdeps = dependencies(mask, mask.root);
   const std::vector<NodeId> score_cols = column_loads(score);
   const std::vector<ColumnLayout> layout = affine_columns(score, decls, score_cols);
-  // One of the layout's fields as a function of the load's number k (0 past the loads).
-  const auto field = [&](auto member) {
+  const std::vector<TileLoad> tiles = tile_loads(score, decls);
+  std::vector<NodeId> tile_ids;
+  std::vector<ColumnLayout> tile_layout;
+  for (const TileLoad& t : tiles) tile_ids.push_back(t.id), tile_layout.push_back(t.layout);
+  // One of a layout's fields as a function of the load's number k (0 past the loads).
+  const auto field = [&](const std::vector<ColumnLayout>& l, auto member) {
     std::string s;
-    for (size_t k = 0; k < layout.size(); ++k)
-      s += fmt::format("k == {} ? {} : ", k, int(layout[k].*member));
+    for (size_t k = 0; k < l.size(); ++k) s += fmt::format("k == {} ? {} : ", k, int(l[k].*member));
     return s + "0";
   };
   std::string out = fmt::format(
@@ -565,20 +613,32 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kScoreColumnsAffine = {};\n"
       "  __device__ static constexpr int score_column_slot(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_column_dim(int k) {{ return {}; }}\n"
-      "  __device__ static constexpr int score_column_type(int k) {{ return {}; }}\n\n",
+      "  __device__ static constexpr int score_column_type(int k) {{ return {}; }}\n"
+      "  static constexpr int kScoreTileLoads = {};\n"
+      "  static constexpr bool kScoreTilesShareHeads = {};\n"
+      "  __device__ static constexpr int score_tile_slot(int k) {{ return {}; }}\n"
+      "  __device__ static constexpr int score_tile_dim(int k) {{ return {}; }}\n"
+      "  __device__ static constexpr int score_tile_type(int k) {{ return {}; }}\n\n",
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
-      grads_read_score, score_cols.size(), !layout.empty(), field(&ColumnLayout::slot),
-      field(&ColumnLayout::dim), field(&ColumnLayout::type));
+      grads_read_score, score_cols.size(), !layout.empty(), field(layout, &ColumnLayout::slot),
+      field(layout, &ColumnLayout::dim), field(layout, &ColumnLayout::type), tiles.size(),
+      tiles_share_heads(score, tiles),
+      field(tile_layout, &ColumnLayout::slot), field(tile_layout, &ColumnLayout::dim),
+      field(tile_layout, &ColumnLayout::type));
 
   const FloatMath math = in.score_math;
   out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);
   out += value_hook(mask, decls, "mask_mod", FloatMath::Exact, "bool", "mask_mod", kMaskParams);
   out += value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams);
   out += column_loader(score, decls, "score_mod", score_cols, "score_columns");
-  out += column_offsets(score, decls, "score_mod", score_cols);
-  out += columns_hook(score, decls, "score_mod", math, score_cols, "float", "score_mod_cols",
+  out += load_offsets(score, decls, "score_mod", score_cols, "score_column_offsets");
+  out += column_loader(score, decls, "score_mod", tile_ids, "score_tiles");
+  out += load_offsets(score, decls, "score_mod", tile_ids, "score_tile_offsets");
+  std::vector<NodeId> read_from_cv = score_cols;
+  read_from_cv.insert(read_from_cv.end(), tile_ids.begin(), tile_ids.end());
+  out += columns_hook(score, decls, "score_mod", math, read_from_cv, "float", "score_mod_cols",
                       kScoreParams);
 
   BodyWriter w(cg, decls, "score_mod", math);
@@ -593,6 +653,12 @@ std::string emit_cuda_variant(const EmitInput& in) {
   out += "  template <class Sink>\n" + hook("void", "accumulate_capture_grads", kGradParams, body);
   out += "};\n";
   return out;
+}
+
+LaunchFacts launch_facts(const EmitInput& in) {
+  if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
+  const Graph score = simplify(*in.score);
+  return {tiles_share_heads(score, tile_loads(score, *in.decls))};
 }
 
 }  // namespace flexc::dsl

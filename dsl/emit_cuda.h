@@ -34,4 +34,15 @@ struct EmitInput {
 // on its line so that compiler errors can be mapped back to the user's expression.
 std::string emit_cuda_variant(const EmitInput& in);
 
+// What a kernel's launch must agree on with the header emit_cuda_variant writes (the same
+// analysis, so the two never disagree).
+struct LaunchFacts {
+  // FlexcVariant::kScoreTilesShareHeads: score_mod reads a 16-bit [.., Q_LEN, KV_LEN] capture
+  // through tile loads that do not depend on the head. The Hopper forward kernel then takes its
+  // head from blockIdx.x and its q tile from blockIdx.y, so that the CTAs of one q tile's heads
+  // launch together and share the capture's rows in L2.
+  bool score_tiles_share_heads = false;
+};
+LaunchFacts launch_facts(const EmitInput& in);
+
 }  // namespace flexc::dsl

@@ -259,9 +259,17 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       fail(fmt::format("{}: head dim {} is not supported ({})", name, d, detail::kFwdHeadDims));
   const detail::TileConfig portable = detail::fwd_config(int(D), int(Dv));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
-  const std::string hopper_misfit = detail::hopper_misfit(
+  std::string hopper_misfit = detail::hopper_misfit(
       "Hopper kernel", [&] { return detail::fwd_config_sm90(int(D), int(Dv)); }, opts.block_mask,
       {{"q", &q}, {"k", &k}, {"v", &v}});
+  // Its grid is (heads, q tiles) for a head-shared [Q_LEN, KV_LEN] capture (dsl::LaunchFacts),
+  // and a grid's y is at most 65535: checked only when the q tiles exceed that.
+  if (hopper_misfit.empty() && (q_len + 127) / 128 > 65535 &&
+      dsl::launch_facts(detail::emit_input(detail::impl_of(variant))).score_tiles_share_heads)
+    hopper_misfit = fmt::format(
+        "the Hopper kernel reads a [Q_LEN, KV_LEN] capture with the heads of a q tile together, "
+        "at most 65535 q tiles of 128 rows; Q_LEN {} is more",
+        q_len);
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
@@ -333,8 +341,10 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     maps[2] = detail::tensor_map(v, uint32_t(cfg.block_n));
     for (FlexcTensorMap& m : maps) argv.push_back(&m);
   }
-  kernel.launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),
-                unsigned(cfg.threads), cfg.smem_bytes, opts.stream, argv.data());
+  const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
+  const bool heads_first = hopper && kernel.facts().score_tiles_share_heads;
+  kernel.launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
+                unsigned(B), unsigned(cfg.threads), cfg.smem_bytes, opts.stream, argv.data());
 }
 
 }  // namespace flexc

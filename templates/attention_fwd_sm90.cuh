@@ -146,9 +146,12 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   sm.bars = sm.v + kStages * VTile::kBytes;
   unsigned char* q_smem = smem_raw + (sm.q - raw);
 
-  // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
+  // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles. With a
+  // head-shared [Q_LEN, KV_LEN] tile load the grid is (heads, q tiles) instead (dsl::LaunchFacts),
+  // so that the heads of one q tile, which read the same rows of it, run together.
+  constexpr bool kHeadsFirst = FlexcVariant::kScoreTilesShareHeads;
+  const int m_block = kHeadsFirst ? gridDim.y - 1 - blockIdx.y : gridDim.x - 1 - blockIdx.x;
+  const int h = kHeadsFirst ? blockIdx.x : blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.q_heads / p.kv_heads);
   const int q0 = m_block * kBlockM;
   const KvSchedule sched(bm, b, h, q0, p.kv_len);
@@ -199,10 +202,10 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     if (!(cw == 1 && j == count - 1)) named_arrive(kTurnBarrier + 1 - cw, 256);
   };
   if (cw == 1 && count > 0) named_arrive(kTurnBarrier, 256);
-  // score_mod's column loads (a per-key bias) of the tile `cur`, issued before this consumer
-  // waits for its turn and for S: the wait hides their latency.
+  // score_mod's column and tile loads (a per-key bias, a [Q_LEN, KV_LEN] one) of the tile `cur`,
+  // issued before this consumer waits for its turn and for S: the wait hides their latency.
   typename Scores::Columns cols;
-  auto load_columns = [&] { Scores::load_columns(cols, p, args, b, h, sched.start(cur)); };
+  auto load_columns = [&] { Scores::load_columns(cols, p, args, b, h, row0, sched.start(cur)); };
   // Hooks and softmax of the tile `cur` in s (left as probabilities); whether O must be rescaled.
   auto softmax_tile = [&](float (&alpha)[1][2]) {
     Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur), &cols);

@@ -223,31 +223,113 @@ struct ScoreTile {
     return row0 + MT * 16 > p.kv_len || col0 + NT * 8 > p.q_len;
   }
 
-  // The variant's column loads (flexc_hooks.cuh) at this thread's columns of one tile, rows
-  // along Q: load_columns issues them ahead of the tile's scores (the Hopper kernel: before it
-  // waits for its turn and for Q.K^T, which hide their latency) and apply_mods reads them.
+  // The variant's column and tile loads (flexc_hooks.cuh) at this thread's scores of one tile,
+  // rows along Q: load_columns issues them ahead of the tile's scores (the Hopper kernel: before
+  // it waits for its turn and for Q.K^T, which hide their latency) and apply_mods reads them.
+  // Tile loads are 16-bit: a word holds a row's columns 2t and 2t + 1 of an n8 tile, raw bits.
   static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;
+  static constexpr int kScoreTiles = FlexcVariant::kScoreTileLoads;
   struct Columns {
     unsigned score[NT][2][kScoreCols > 0 ? kScoreCols : 1];
+    unsigned tile[MT][2][NT][kScoreTiles > 0 ? kScoreTiles : 1];
   };
   __device__ __forceinline__ static void load_columns(Columns& c, const FlexcAttentionParams& p,
                                                       const FlexcArgs& args, int b, int h,
-                                                      int col0) {
+                                                      int row0, int col0) {
     static_assert(R == Rows::Q, "columns are keys");
     if constexpr (kScoreCols > 0) {
+      bool paired = false;
       if constexpr (FlexcVariant::kScoreColumnsAffine)
-        if (load_column_pairs(c, p, args, b, h, col0)) return;
-      const Idx idx = index(h, 0, col0, p);  // (rows unused)
+        paired = load_column_pairs(c, p, args, b, h, col0);
+      if (!paired) {
+        const Idx idx = index(h, 0, col0, p);  // (rows unused)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          FlexcVariant::score_columns(args, b, h, idx.col[j][e], hook_q_len(p), p.kv_len,
-                                      c.score[j][e]);
+          for (int e = 0; e < 2; ++e)
+            FlexcVariant::score_columns(args, b, h, 0, idx.col[j][e], hook_q_len(p), p.kv_len,
+                                        c.score[j][e]);
+      }
+    }
+    if constexpr (kScoreTiles > 0) {
+      const Idx idx = index(h, row0, col0, p);
+      if (!load_tile_pairs(c, p, args, b, idx, col0)) {
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              unsigned w[2][kScoreTiles > 0 ? kScoreTiles : 1];
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                FlexcVariant::score_tiles(args, b, h, idx.row[i][r], idx.col[j][e], hook_q_len(p),
+                                          p.kv_len, w[e]);
+#pragma unroll
+              for (int k = 0; k < kScoreTiles; ++k)
+                c.tile[i][r][j][k] = pack_pair(FlexcVariant::score_tile_type(k), w[0][k], w[1][k]);
+            }
+      }
     }
   }
 
-  // The fast path of load_columns (FlexcVariant::kScoreColumnsAffine: every column load is
+  // The fast path of the tile loads: inside kv_len, where the capture's kv dim has stride 1 and
+  // every row's pairs are aligned, a thread's columns 2t, 2t + 1 of each n8 tile of a row are one
+  // 32-bit load from the row's offset at kv_idx = 0 (one offset per row, no per-score address
+  // arithmetic). False: the caller loads them element by element.
+  __device__ __forceinline__ static bool load_tile_pairs(Columns& c, const FlexcAttentionParams& p,
+                                                         const FlexcArgs& args, int b,
+                                                         const Idx& idx, int col0) {
+    if (col0 + NT * 8 > p.kv_len) return false;
+    const int col = col0 + (threadIdx.x & 3) * 2;
+    long long base[MT][2][kScoreTiles > 0 ? kScoreTiles : 1];
+    bool ok = true;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        FlexcVariant::score_tile_offsets(args, b, idx.head[i][r], idx.row[i][r], 0, hook_q_len(p),
+                                         p.kv_len, base[i][r]);
+#pragma unroll
+        for (int k = 0; k < kScoreTiles; ++k) {
+          const FlexcCapture& cap = args.captures[FlexcVariant::score_tile_slot(k)];
+          ok &= cap.stride[FlexcVariant::score_tile_dim(k)] == 1 &&
+                (reinterpret_cast<unsigned long long>(cap.data) + (base[i][r][k] + col) * 2) % 4 == 0;
+        }
+      }
+    if (!ok) return false;
+#pragma unroll
+    for (int k = 0; k < kScoreTiles; ++k) {
+      const unsigned short* data = static_cast<const unsigned short*>(
+          args.captures[FlexcVariant::score_tile_slot(k)].data);
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+            c.tile[i][r][j][k] =
+                *reinterpret_cast<const unsigned*>(data + base[i][r][k] + col + j * 8);
+    }
+    return true;
+  }
+  // Two elements of a 16-bit tile load (type 1 bf16, 2 fp16) given as float32 bits (score_tiles)
+  // as one word of raw bits, and back: exact, the values being 16-bit ones.
+  __device__ __forceinline__ static unsigned pack_pair(int type, unsigned f0, unsigned f1) {
+    if (type == 1) return (f0 >> 16) | (f1 & 0xffff0000u);
+    unsigned short h0, h1;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h0) : "f"(__uint_as_float(f0)));
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h1) : "f"(__uint_as_float(f1)));
+    return unsigned(h0) | (unsigned(h1) << 16);
+  }
+  __device__ __forceinline__ static unsigned unpack(int type, unsigned w, int c) {
+    if (type == 1) return c ? w & 0xffff0000u : w << 16;
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(c ? w >> 16 : w & 0xffffu)));
+    return __float_as_uint(f);
+  }
+
+  // The fast path of the column loads (FlexcVariant::kScoreColumnsAffine: every column load is
   // capture[..., kv_idx, ...]): inside kv_len, and where each capture's kv dim has stride 1 and
   // pairs are aligned, a thread's columns 2t, 2t + 1 of each n8 tile are one load from the offset
   // at kv_idx = 0, with no per-column index or address arithmetic. False: the caller loads them
@@ -257,7 +339,7 @@ struct ScoreTile {
                                                            int col0) {
     if (col0 + NT * 8 > p.kv_len) return false;
     long long base[2];
-    FlexcVariant::score_column_offsets(args, b, h, 0, hook_q_len(p), p.kv_len, base);
+    FlexcVariant::score_column_offsets(args, b, h, 0, 0, hook_q_len(p), p.kv_len, base);
     bool ok = true;
 #pragma unroll
     for (int k = 0; k < kScoreCols; ++k) {
@@ -336,11 +418,22 @@ struct ScoreTile {
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
               FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
-        s[i][j][e] = kScoreCols > 0 && cols
-                         ? FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                                        p.kv_len, cols->score[j][e & 1])
-                         : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                                   p.kv_len);
+        if constexpr (kScoreCols + kScoreTiles > 0) {
+          if (cols) {
+            unsigned cv[kScoreCols + kScoreTiles > 0 ? kScoreCols + kScoreTiles : 1];
+#pragma unroll
+            for (int k = 0; k < kScoreCols; ++k) cv[k] = cols->score[j][e & 1][k];
+#pragma unroll
+            for (int k = 0; k < kScoreTiles; ++k)
+              cv[kScoreCols + k] = unpack(FlexcVariant::score_tile_type(k),
+                                          cols->tile[i][e >> 1][j][k], e & 1);
+            s[i][j][e] = FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                                      p.kv_len, cv);
+            return;
+          }
+        }
+        s[i][j][e] =
+            FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
       });
     }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {

@@ -34,19 +34,28 @@
 //                                                   int q_idx, int kv_idx, int q_len, int kv_len);
 //   // Column loads: score_mod's capture loads whose indices read kv_idx but not q_idx or the
 //   // score, as 32-bit words, so that a kernel can load them per column ahead of the scores;
-//   // score_mod_cols equals score_mod with those loads read from cv.
-//   __device__ static void score_columns(const FlexcArgs& a, int b, int h, int kv_idx,
-//                                        int q_len, int kv_len, unsigned* cv);
+//   // tile loads (kScoreTileLoads, 0..1): its loads of a bf16 / fp16 capture indexed by q_idx
+//   // and by kv_idx itself at a KV_LEN dim (a [Q_LEN, KV_LEN] bias), which a kernel loads for
+//   // its whole share of a tile ahead of the scores. score_mod_cols equals score_mod with the
+//   // column loads read from cv[0, kScoreColumnLoads) and the tile loads from the cv after them.
+//   __device__ static void score_columns(const FlexcArgs& a, int b, int h, int q_idx,
+//                                        int kv_idx, int q_len, int kv_len, unsigned* cv);
+//   __device__ static void score_tiles(/* the same */);  // one element's tile loads
 //   __device__ static float score_mod_cols(/* score_mod's parameters */, const unsigned* cv);
 //   // When every column load reads capture[..., kv_idx, ...] (kv_idx itself, at a dim of length
-//   // KV_LEN; kScoreColumnsAffine): load k's capture slot, that dim, its element type (0
-//   // float32, 1 bf16, 2 fp16, 3 int32, 4 bool), and its element offsets (at kv_idx = 0, the
-//   // kernels add the key), so that a kernel loads adjacent keys together.
+//   // KV_LEN; kScoreColumnsAffine), and for every tile load: load k's capture slot, that dim,
+//   // its element type (0 float32, 1 bf16, 2 fp16, 3 int32, 4 bool), and its element offsets
+//   // (at kv_idx = 0, the kernels add the key), so that a kernel loads adjacent keys together.
 //   static constexpr bool kScoreColumnsAffine;
 //   __device__ static constexpr int score_column_slot(int k), score_column_dim(int k),
 //                                   score_column_type(int k);
-//   __device__ static void score_column_offsets(const FlexcArgs& a, int b, int h, int kv_idx,
-//                                               int q_len, int kv_len, long long* o);
+//   __device__ static void score_column_offsets(const FlexcArgs& a, int b, int h, int q_idx,
+//                                               int kv_idx, int q_len, int kv_len, long long* o);
+//   static constexpr int kScoreTileLoads;
+//   static constexpr bool kScoreTilesShareHeads;  // tile loads whose indices do not read h
+//   __device__ static constexpr int score_tile_slot(int k), score_tile_dim(int k),
+//                                   score_tile_type(int k);
+//   __device__ static void score_tile_offsets(/* as score_column_offsets */);
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in

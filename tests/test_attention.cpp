@@ -519,6 +519,13 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(t({1, 4, 16, 32}), TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}},
                  TensorView{out.data, out.dtype, {1, 4, 16, 32}, {}}, o),
              Contains("the Hopper kernel has no head dim 32 (64, 96, 128, 192 or 256)"));
+  // A head-shared [Q_LEN, KV_LEN] capture puts the q tiles on the grid's y (at most 65535).
+  const Variant bias_2d = Variant::from_strings("score + bias[q_idx, kv_idx]", "true",
+                                                {{"bias", "bf16", {"Q_LEN", "KV_LEN"}}}, {}, "b2");
+  const int64_t rows = 65535 * 128 + 1;
+  CHECK_THAT(err(t({1, 1, rows, 64}), TensorView{k.data, k.dtype, {1, 1, 32, 64}, {}},
+                 TensorView{out.data, out.dtype, {1, 1, rows, 64}, {}}, o, &bias_2d),
+             Contains("at most 65535 q tiles of 128 rows; Q_LEN 8388481 is more"));
   // Above D 128 the Hopper kernel's kv tiles are 64 wide: a 128 x 64 BlockMask fits them.
   for (int d : {64, 96, 128, 192, 256}) {
     const detail::TileConfig c = detail::fwd_config_sm90(d, d);
@@ -630,6 +637,17 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       // more than a few bytes would mean a loop's working set no longer fits.
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
     }
+  }
+  // A [Q_LEN, KV_LEN] bias beside a per-key one: the tile loads' 32 words stay in registers
+  // across the wait, the column loads' beside them.
+  const Variant tiles = Variant::from_strings(
+      "score + bias[q_idx, kv_idx] + kvb[h, kv_idx]", "q_idx >= kv_idx",
+      {{"bias", "bf16", {"Q_LEN", "KV_LEN"}}, {"kvb", "float32", {"H", "KV_LEN"}}}, {}, "tiles");
+  for (int d : {64, 128, 256}) {
+    const std::string log = ptxas_log(tiles, jit::attention_fwd_sm90_spec({"sm_90", "bf16", d}));
+    INFO("tile loads D " << d << "\n" << log);
+    CHECK(log.find("C751") == std::string::npos);
+    CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
   }
   // The other head dims (O takes 48 / 96 / 128 registers), with the costliest hooks, and MLA's
   // q / k 192 with v 128 (128-wide kv tiles: S, P and O take 160 registers).
@@ -978,6 +996,39 @@ TEST_CASE("per-key capture loads, issued ahead of the scores, match the referenc
         INFO(a.summary());
         CHECK(a.pass);
       }
+}
+
+TEST_CASE("per-score tile loads of a Q_LEN x KV_LEN bias, issued ahead, match the reference",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // score_mod's 16-bit loads indexed by q_idx and kv_idx itself: the Hopper kernel loads a
+  // thread's share of the tile before waiting for its scores, two adjacent keys a load where the
+  // kv dim has stride 1 and every row's pair is aligned (KV_LEN 1000), element by element
+  // otherwise (KV_LEN 517: odd rows start unaligned; the edge tile). bf16 and fp16, beside a
+  // column load, a wrapped row index, a causal mask's partial tiles, and queries at an offset.
+  const std::vector<CaptureSpec> caps{{"bias", "bf16", {"Q_LEN", "KV_LEN"}},
+                                      {"bhqk", "fp16", {"B", "H", "Q_LEN", "KV_LEN"}},
+                                      {"rows", "bf16", {"64", "KV_LEN"}},
+                                      {"kvb", "float32", {"H", "KV_LEN"}}};
+  const Variant bias_2d =
+      Variant::from_strings("score + bias[q_idx, kv_idx]", "q_idx >= kv_idx", caps, {}, "bias_2d");
+  const Variant with_cols = Variant::from_strings(
+      "score + kvb[h, kv_idx] - 0.5 * bhqk[b, h, q_idx, kv_idx]", "true", caps, {}, "bhqk_cols");
+  const Variant wrapped =
+      Variant::from_strings("score * 0.5 + rows[q_idx % 64, kv_idx]", "true", caps, {}, "wrapped");
+  for (const Variant* v : {&bias_2d, &with_cols, &wrapped})
+    for (int64_t d : {64, 128})
+      for (FwdKernel kernel : kernels_for(d))
+        for (int64_t q_offset : {0, 200}) {
+          GpuCase c{d == 64 ? DType::BF16 : DType::F16, 2, 4, 2, 333, d == 64 ? 1000 : 517, d,
+                    false, 0, true, {}, kernel};
+          c.Lkv += q_offset;
+          c.q_offset = q_offset;
+          INFO(v->name() << ": " << c.describe() << " q_offset " << q_offset);
+          const Accuracy a = run_case(*v, c);
+          INFO(a.summary());
+          CHECK(a.pass);
+        }
 }
 
 TEST_CASE("v's head dim apart from q's and k's (MLA's 192 / 128) matches the reference", "[gpu]") {

@@ -114,6 +114,40 @@ TEST_CASE("score_mod's loads indexed by kv_idx alone are column loads", "[emit]"
   }
 }
 
+TEST_CASE("score_mod's 16-bit loads indexed by q_idx and kv_idx itself are tile loads", "[emit]") {
+  Decls d;
+  d.captures.push_back({"kvb", DType::BF16, {{Dim::H}, {Dim::KvLen}}});
+  d.captures.push_back({"bias", DType::BF16, {{Dim::QLen}, {Dim::KvLen}}});
+  d.captures.push_back({"bias32", DType::F32, {{Dim::QLen}, {Dim::KvLen}}});
+  d.captures.push_back({"bhqk", DType::F16, {{Dim::B}, {Dim::H}, {Dim::QLen}, {Dim::KvLen}}});
+  const std::string tile = emit(parse("score + bias[q_idx, kv_idx]", "true", d));
+  CHECK(has(tile, "kScoreColumnLoads = 0;"));
+  CHECK(has(tile, "kScoreTileLoads = 1;"));
+  CHECK(has(tile, "kScoreTilesShareHeads = true;"));
+  CHECK(has(tile, "score_tile_slot(int k) { return k == 0 ? 1 : 0; }"));
+  CHECK(has(tile, "score_tile_dim(int k) { return k == 0 ? 1 : 0; }"));
+  CHECK(has(tile, "score_tile_type(int k) { return k == 0 ? 1 : 0; }"));
+  CHECK(has(tile, "__uint_as_float(cv[0])"));
+  // Beside a column load, the tile load's word follows the columns'; fp16 at [B, H, Q_LEN, KV_LEN].
+  const std::string both =
+      emit(parse("score + kvb[h, kv_idx] + bhqk[b, h, q_idx + 1, kv_idx]", "true", d));
+  CHECK(has(both, "kScoreColumnLoads = 1;"));
+  CHECK(has(both, "kScoreTileLoads = 1;"));
+  CHECK(has(both, "kScoreTilesShareHeads = false;"));  // [B, H, Q_LEN, KV_LEN]: one per head
+  CHECK(has(both, "score_tile_slot(int k) { return k == 0 ? 3 : 0; }"));
+  CHECK(has(both, "score_tile_dim(int k) { return k == 0 ? 3 : 0; }"));
+  CHECK(has(both, "score_tile_type(int k) { return k == 0 ? 2 : 0; }"));
+  CHECK(has(both, "__uint_as_float(cv[1])"));
+  // Not tile loads: 32-bit, kv_idx not alone at its dim, no q_idx, the score in the index.
+  for (const char* mod : {"score + bias32[q_idx, kv_idx]", "score + bias[q_idx, kv_idx // 2]",
+                          "score + bias[h, kv_idx]", "score + bias[int(score), kv_idx]"}) {
+    INFO(mod);
+    const std::string none = emit(parse(mod, "true", d));
+    CHECK(has(none, "kScoreTileLoads = 0;"));
+    CHECK(has(none, "kScoreTilesShareHeads = false;"));
+  }
+}
+
 TEST_CASE("emitted text is deterministic and names no user identifier", "[emit]") {
   Decls d;
   d.captures.push_back({"my_secret_table", DType::BF16, {{Dim::Fixed, 8}}});
@@ -525,8 +559,10 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
         // both NaN (the compiler may order a max's operands differently in the two functions,
         // and which NaN comes out is not part of the result: the interpreter check below
         // compares NaN as NaN too).
-        "    unsigned cv[2] = {{}};\n"
-        "    v{0}::FlexcVariant::score_columns(a, p.b, p.h, p.kv, p.q_len, p.kv_len, cv);\n"
+        "    unsigned cv[3] = {{}};\n"
+        "    v{0}::FlexcVariant::score_columns(a, p.b, p.h, p.q, p.kv, p.q_len, p.kv_len, cv);\n"
+        "    v{0}::FlexcVariant::score_tiles(a, p.b, p.h, p.q, p.kv, p.q_len, p.kv_len,\n"
+        "                                    cv + v{0}::FlexcVariant::kScoreColumnLoads);\n"
         "    const float rc = v{0}::FlexcVariant::score_mod_cols(a, s, p.b, p.h, p.q, p.kv, "
         "p.q_len, p.kv_len, cv);\n"
         "    if (std::bit_cast<unsigned>(rc) != std::bit_cast<unsigned>(r) && "

@@ -271,7 +271,9 @@ class Jit {
         CUfunction fn = nullptr;
         check(d.cuModuleGetFunction(&fn, mod, p.spec.entry.c_str()),
               fmt::format("{}: finding its entry '{}'", doing, p.spec.entry));
-        it = modules_.emplace(id, std::make_unique<Kernel>(fn, p.what)).first;
+        const dsl::LaunchFacts facts =
+            dsl::launch_facts(detail::emit_input(detail::impl_of(p.variant)));
+        it = modules_.emplace(id, std::make_unique<Kernel>(fn, p.what, facts)).first;
       } catch (...) {
         d.cuModuleUnload(mod);  // kept modules are never unloaded; a failed one must not leak
         throw;

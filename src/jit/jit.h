@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "dsl/emit_cuda.h"
 #include "flexc/variant.h"
 
 struct CUfunc_st;
@@ -55,7 +56,8 @@ std::vector<Compiled> compile_all(const Variant& v, std::span<const KernelSpec> 
 // A loaded kernel in the context that was current when it was loaded.
 class Kernel {
  public:
-  Kernel(CUfunc_st* fn, std::string what) : fn_(fn), what_(std::move(what)) {}
+  Kernel(CUfunc_st* fn, std::string what, dsl::LaunchFacts facts)
+      : fn_(fn), what_(std::move(what)), facts_(facts) {}
 
   // Launches on `stream` (the caller's; nullptr = legacy default). `args` point at each kernel
   // argument, as cuLaunchKernel takes them. Raises the dynamic shared memory limit on first use
@@ -69,10 +71,13 @@ class Kernel {
   CUfunc_st* function() const { return fn_; }
   // "flexc attention_fwd kernel for variant 'alibi' (sm_90)"
   const std::string& what() const { return what_; }
+  // What the launch must agree on with the kernel's generated header.
+  const dsl::LaunchFacts& facts() const { return facts_; }
 
  private:
   CUfunc_st* fn_;
   std::string what_;
+  dsl::LaunchFacts facts_;
   mutable std::atomic<size_t> smem_limit_{48 * 1024};
   mutable std::mutex smem_mu_;
 };
