@@ -148,10 +148,16 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles. With a
   // head-shared [Q_LEN, KV_LEN] tile load the grid is (heads, q tiles) instead (dsl::LaunchFacts),
-  // so that the heads of one q tile, which read the same rows of it, run together.
+  // so that the heads of one q tile, which read the same rows of it, run together; the two then
+  // go through a shuffle, which keeps them in registers: read again from special registers for
+  // the tile loads' row offsets of each kv tile, they cost bias_2d 8-14% at D 128 (docs/perf.md).
   constexpr bool kHeadsFirst = FlexcVariant::kScoreTilesShareHeads;
-  const int m_block = kHeadsFirst ? gridDim.y - 1 - blockIdx.y : gridDim.x - 1 - blockIdx.x;
-  const int h = kHeadsFirst ? blockIdx.x : blockIdx.y, b = blockIdx.z;
+  int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
+  if constexpr (kHeadsFirst) {
+    m_block = __shfl_sync(0xffffffffu, int(gridDim.y - 1 - blockIdx.y), 0);
+    h = __shfl_sync(0xffffffffu, int(blockIdx.x), 0);
+  }
+  const int b = blockIdx.z;
   const int h_kv = h / (p.q_heads / p.kv_heads);
   const int q0 = m_block * kBlockM;
   const KvSchedule sched(bm, b, h, q0, p.kv_len);
