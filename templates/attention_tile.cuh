@@ -293,8 +293,9 @@ struct ScoreTile {
 #pragma unroll
         for (int k = 0; k < kScoreTiles; ++k) {
           const FlexcCapture& cap = args.captures[FlexcVariant::score_tile_slot(k)];
-          ok &= cap.stride[FlexcVariant::score_tile_dim(k)] == 1 &&
-                (reinterpret_cast<unsigned long long>(cap.data) + (base[i][r][k] + col) * 2) % 4 == 0;
+          const unsigned long long at =
+              reinterpret_cast<unsigned long long>(cap.data) + (base[i][r][k] + col) * 2;
+          ok &= cap.stride[FlexcVariant::score_tile_dim(k)] == 1 && at % 4 == 0;
         }
       }
     if (!ok) return false;
@@ -313,8 +314,9 @@ struct ScoreTile {
     }
     return true;
   }
-  // Two elements of a 16-bit tile load (type 1 bf16, 2 fp16) given as float32 bits (score_tiles)
-  // as one word of raw bits, and back: exact, the values being 16-bit ones.
+  // Two elements of a 16-bit load (type 1 bf16, 2 fp16) given as float32 bits (score_tiles) as
+  // one word of raw bits, and element c of such a word as float32 bits: exact, the values being
+  // 16-bit ones.
   __device__ __forceinline__ static unsigned pack_pair(int type, unsigned f0, unsigned f1) {
     if (type == 1) return (f0 >> 16) | (f1 & 0xffff0000u);
     unsigned short h0, h1;
@@ -325,7 +327,8 @@ struct ScoreTile {
   __device__ __forceinline__ static unsigned unpack(int type, unsigned w, int c) {
     if (type == 1) return c ? w & 0xffff0000u : w << 16;
     float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(c ? w >> 16 : w & 0xffffu)));
+    const unsigned short half = static_cast<unsigned short>(c ? w >> 16 : w & 0xffffu);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(half));
     return __float_as_uint(f);
   }
 
@@ -371,17 +374,10 @@ struct ScoreTile {
     if (type == 0 || type == 3) {  // float32 / int32 bits
       const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const unsigned*>(data) + at);
       w0 = v.x, w1 = v.y;
-    } else if (type == 1) {  // bf16 -> float32 bits
+    } else if (type == 1 || type == 2) {  // bf16 / fp16 -> float32 bits
       const unsigned v =
           *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(data) + at);
-      w0 = v << 16, w1 = v & 0xffff0000u;
-    } else if (type == 2) {  // fp16 -> float32
-      const unsigned v =
-          *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(data) + at);
-      float f0, f1;
-      asm("cvt.f32.f16 %0, %1;" : "=f"(f0) : "h"(static_cast<unsigned short>(v & 0xffffu)));
-      asm("cvt.f32.f16 %0, %1;" : "=f"(f1) : "h"(static_cast<unsigned short>(v >> 16)));
-      w0 = __float_as_uint(f0), w1 = __float_as_uint(f1);
+      w0 = unpack(type, v, 0), w1 = unpack(type, v, 1);
     } else {  // bool: nonzero byte
       const unsigned short v =
           *reinterpret_cast<const unsigned short*>(static_cast<const unsigned char*>(data) + at);
