@@ -1,6 +1,6 @@
 // flexc's public C++ API in one include: variants (flexc/variant.h), BlockMasks
 // (flexc/blockmask.h), the attention kernels (flexc/attention.h), decode over a KV cache
-// (flexc/decode.h) and their tensor views
+// (flexc/decode.h), gated linear attention (flexc/linear.h) and their tensor views
 // (flexc/tensor.h), the float64 CPU reference (flexc/reference.h) and .npy files (flexc/npy.h).
 #pragma once
 
@@ -8,6 +8,7 @@
 #include "flexc/blockmask.h"
 #include "flexc/decode.h"
 #include "flexc/error.h"
+#include "flexc/linear.h"
 #include "flexc/npy.h"
 #include "flexc/reference.h"
 #include "flexc/tensor.h"

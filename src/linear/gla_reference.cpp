@@ -1,0 +1,219 @@
+// The float64 CPU reference of gated linear attention: the recurrence (`gold`) and the kernels'
+// chunkwise computation with their rounding points (`ref`), see include/flexc/linear.h.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "flexc/error.h"
+#include "flexc/linear.h"
+#include "reference_common.h"
+
+namespace flexc {
+
+namespace {
+
+constexpr int kChunk = 64, kSub = 16;
+
+struct Head {
+  const LinearReferenceProblem& p;
+  int64_t b, h;
+  double scale;
+  // Element accessors of this head's inputs.
+  double q(int64_t t, int64_t d) const {
+    return p.q[((b * p.heads + h) * p.seq_len + t) * p.dk + d];
+  }
+  double k(int64_t t, int64_t d) const {
+    return p.k[((b * p.k_heads + h / (p.heads / p.k_heads)) * p.seq_len + t) * p.dk + d];
+  }
+  double v(int64_t t, int64_t e) const {
+    return p.v[((b * p.k_heads + h / (p.heads / p.k_heads)) * p.seq_len + t) * p.dv + e];
+  }
+  // The log gate as the kernels take it: below -1e4 it is -1e4 (exp 0 either way).
+  double g(int64_t t, int64_t d) const {
+    if (p.g.empty()) return 0;
+    const int64_t row = (b * p.heads + h) * p.seq_len + t;
+    return std::max(-1e4, double(p.per_dim_gates ? p.g[row * p.dk + d] : p.g[row]));
+  }
+  double h0(int64_t d, int64_t e) const {
+    return p.initial_state.empty() ? 0 : p.initial_state[((b * p.heads + h) * p.dk + d) * p.dv + e];
+  }
+};
+
+void gold_head(const Head& x, double* out, double* state) {
+  const LinearReferenceProblem& p = x.p;
+  std::vector<double> S(size_t(p.dk * p.dv));
+  for (int64_t d = 0; d < p.dk; ++d)
+    for (int64_t e = 0; e < p.dv; ++e) S[d * p.dv + e] = x.h0(d, e);
+  for (int64_t t = 0; t < p.seq_len; ++t) {
+    for (int64_t d = 0; d < p.dk; ++d) {
+      const double a = std::exp(x.g(t, d)), kd = x.k(t, d);
+      for (int64_t e = 0; e < p.dv; ++e) S[d * p.dv + e] = a * S[d * p.dv + e] + kd * x.v(t, e);
+    }
+    for (int64_t e = 0; e < p.dv; ++e) out[t * p.dv + e] = 0;
+    for (int64_t d = 0; d < p.dk; ++d) {
+      const double qd = x.scale * x.q(t, d);
+      for (int64_t e = 0; e < p.dv; ++e) out[t * p.dv + e] += qd * S[d * p.dv + e];
+    }
+  }
+  std::copy(S.begin(), S.end(), state);
+}
+
+// templates/gla.cuh's chunkwise algorithm, rounded where it rounds (unless exact_ref).
+void ref_head(const Head& x, double* out, double* state) {
+  const LinearReferenceProblem& p = x.p;
+  const auto rnd = [&](double v) { return p.exact_ref ? v : detail::round_to(p.dtype, v); };
+  const double steep_bound = (p.dtype == DType::BF16 ? 80.0 : 8.0) / std::log2(std::exp(1.0));
+  const int64_t DK = p.dk, DV = p.dv;
+  std::vector<double> S(size_t(DK * DV)), S16(S.size()), gc(size_t(kChunk * DK));
+  for (int64_t d = 0; d < DK; ++d)
+    for (int64_t e = 0; e < DV; ++e) S[d * DV + e] = x.h0(d, e);
+  std::vector<double> A(kChunk * kChunk), o(static_cast<size_t>(DV));
+  for (int64_t t0 = 0; t0 < p.seq_len; t0 += kChunk) {
+    const int64_t rows = std::min<int64_t>(kChunk, p.seq_len - t0);
+    for (size_t i = 0; i < S.size(); ++i) S16[i] = rnd(S[i]);
+    for (int64_t d = 0; d < DK; ++d) {
+      double run = 0;
+      for (int64_t r = 0; r < kChunk; ++r) gc[r * DK + d] = run += r < rows ? x.g(t0 + r, d) : 0;
+    }
+    auto G = [&](int64_t r, int64_t d) { return gc[r * DK + d]; };
+    // A: blocks below the diagonal against the key block's last row, diagonal blocks against
+    // their first row (steep dims exactly).
+    std::fill(A.begin(), A.end(), 0.0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t I = i / kSub, f = I * kSub;
+      for (int64_t j = 0; j <= i; ++j) {
+        const int64_t J = j / kSub, e = J * kSub + kSub - 1;
+        double a = 0;
+        for (int64_t d = 0; d < DK; ++d) {
+          const double qd = x.q(t0 + i, d), kd = x.k(t0 + j, d);
+          if (J < I) {
+            a += rnd(qd * std::exp(G(i, d) - G(e, d))) * rnd(kd * std::exp(G(e, d) - G(j, d)));
+          } else if (G(f, d) - G(f + kSub - 1, d) > steep_bound) {
+            a += qd * kd * std::exp(G(i, d) - G(j, d));
+          } else {
+            a += rnd(qd * std::exp(G(i, d) - G(f, d))) * rnd(kd * std::exp(G(f, d) - G(j, d)));
+          }
+        }
+        A[i * kChunk + j] = rnd(a * x.scale);
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      std::fill(o.begin(), o.end(), 0.0);
+      for (int64_t d = 0; d < DK; ++d) {
+        const double qg = rnd(x.q(t0 + i, d) * std::exp(G(i, d)));
+        for (int64_t e = 0; e < DV; ++e) o[e] += qg * S16[d * DV + e];
+      }
+      for (int64_t e = 0; e < DV; ++e) o[e] *= x.scale;
+      for (int64_t j = 0; j <= i; ++j)
+        for (int64_t e = 0; e < DV; ++e) o[e] += A[i * kChunk + j] * x.v(t0 + j, e);
+      for (int64_t e = 0; e < DV; ++e) out[(t0 + i) * DV + e] = rnd(o[e]);
+    }
+    // The state update with Khat = k * exp(gc_last - gc), rounded.
+    for (int64_t d = 0; d < DK; ++d) {
+      const double last = G(kChunk - 1, d), decay = std::exp(last);
+      for (int64_t e = 0; e < DV; ++e) S[d * DV + e] *= decay;
+      for (int64_t r = 0; r < rows; ++r) {
+        const double kh = rnd(x.k(t0 + r, d) * std::exp(last - G(r, d)));
+        for (int64_t e = 0; e < DV; ++e) S[d * DV + e] += kh * x.v(t0 + r, e);
+      }
+    }
+  }
+  std::copy(S.begin(), S.end(), state);
+}
+
+double rmse(const std::vector<double>& gold, std::span<const float> x, int64_t& bad) {
+  double e = 0;
+  for (size_t i = 0; i < gold.size(); ++i) {
+    if (!std::isfinite(x[i])) {
+      ++bad;
+      continue;
+    }
+    e += (x[i] - gold[i]) * (x[i] - gold[i]);
+  }
+  return gold.empty() ? 0 : std::sqrt(e / double(gold.size()));
+}
+
+double rms(const std::vector<double>& x) {
+  double e = 0;
+  for (double v : x) e += v * v;
+  return x.empty() ? 0 : std::sqrt(e / double(x.size()));
+}
+
+double rmse(const std::vector<double>& gold, const std::vector<double>& x) {
+  double e = 0;
+  for (size_t i = 0; i < gold.size(); ++i) e += (x[i] - gold[i]) * (x[i] - gold[i]);
+  return gold.empty() ? 0 : std::sqrt(e / double(gold.size()));
+}
+
+}  // namespace
+
+LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p) {
+  const auto fail = [](const std::string& m) {
+    throw Error("flexc::reference_linear_attention: " + m);
+  };
+  if (p.batch < 0 || p.heads < 1 || p.k_heads < 1 || p.heads % p.k_heads != 0 || p.seq_len < 0 ||
+      p.dk < 1 || p.dv < 1)
+    fail(fmt::format("bad sizes: B {}, H {}, Hk {}, T {}, DK {}, DV {}", p.batch, p.heads,
+                     p.k_heads, p.seq_len, p.dk, p.dv));
+  const auto expect = [&](const char* name, size_t got, int64_t want) {
+    if (got != size_t(want)) fail(fmt::format("{} has {} elements; {} expected", name, got, want));
+  };
+  const int64_t rows = p.batch * p.heads * p.seq_len, krows = p.batch * p.k_heads * p.seq_len;
+  expect("q", p.q.size(), rows * p.dk);
+  expect("k", p.k.size(), krows * p.dk);
+  expect("v", p.v.size(), krows * p.dv);
+  if (!p.g.empty()) expect("g", p.g.size(), p.per_dim_gates ? rows * p.dk : rows);
+  if (!p.initial_state.empty())
+    expect("initial_state", p.initial_state.size(), p.batch * p.heads * p.dk * p.dv);
+  for (size_t i = 0; i < p.g.size(); ++i)
+    if (!(p.g[i] <= 0))
+      fail(fmt::format("g[{}] = {} (flat index): log gates must be <= 0", i, p.g[i]));
+  const double scale = p.scale.value_or(1.0 / std::sqrt(double(p.dk)));
+
+  LinearReferenceResult r;
+  const size_t out_n = size_t(rows * p.dv), state_n = size_t(p.batch * p.heads * p.dk * p.dv);
+  r.gold_out.resize(out_n), r.ref_out.resize(out_n);
+  r.gold_state.resize(state_n), r.ref_state.resize(state_n);
+  detail::parallel_chunks(p.batch * p.heads * 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bh = i / 2, b = bh / p.heads, h = bh % p.heads;
+      const Head x{p, b, h, scale};
+      double* out = (i % 2 ? r.ref_out : r.gold_out).data() + bh * p.seq_len * p.dv;
+      double* st = (i % 2 ? r.ref_state : r.gold_state).data() + bh * p.dk * p.dv;
+      (i % 2 ? ref_head : gold_head)(x, out, st);
+    }
+  });
+  return r;
+}
+
+std::string LinearAccuracy::summary() const {
+  return fmt::format("out rmse {:.3g} (ref {:.3g}), state rmse {:.3g} (ref {:.3g}), {} bad: {}",
+                     out_rmse, out_ref_rmse, state_rmse, state_ref_rmse, bad,
+                     pass ? "PASS" : "FAIL");
+}
+
+LinearAccuracy check_linear_accuracy(const LinearReferenceResult& r, std::span<const float> out,
+                                     std::span<const float> state) {
+  if (out.size() != r.gold_out.size() || (!state.empty() && state.size() != r.gold_state.size()))
+    throw Error(fmt::format("flexc::check_linear_accuracy: {} output / {} state values for a "
+                            "reference of {} / {}",
+                            out.size(), state.size(), r.gold_out.size(), r.gold_state.size()));
+  LinearAccuracy a;
+  a.out_rmse = rmse(r.gold_out, out, a.bad);
+  a.out_ref_rmse = rmse(r.gold_out, r.ref_out);
+  if (!state.empty()) {
+    a.state_rmse = rmse(r.gold_state, state, a.bad);
+    a.state_ref_rmse = rmse(r.gold_state, r.ref_state);
+  }
+  // float32 accumulation's floor, as the backward's rule has it: where ref rounds nothing (no
+  // gates: Khat = k), the state's only error is float32 sums over the sequence.
+  const auto floor = [](const std::vector<double>& gold) { return std::ldexp(rms(gold), -16); };
+  a.pass = a.bad == 0 && a.out_rmse <= 1.5 * a.out_ref_rmse + floor(r.gold_out) + 1e-6 &&
+           a.state_rmse <= 1.5 * a.state_ref_rmse + floor(r.gold_state) + 1e-6;
+  return a;
+}
+
+}  // namespace flexc

@@ -1,0 +1,469 @@
+// Gated linear attention (GLA; Yang et al. 2023, arXiv 2312.06635) in chunkwise form, and its
+// recurrent step. Per head: S_t = diag(alpha_t) S_{t-1} + k_t^T v_t, o_t = scale q_t S_t, with
+// g_t = log alpha_t <= 0 (per key dim, per step broadcast, or none).
+//
+// Chunks of 64 tokens, in three kernels (the split of flash-linear-attention's chunk_gla):
+// - flexc_gla_prepare, one CTA per (chunk, head, batch): gc, the gates' cumulative sum inside the
+//   chunk, G its last row; it writes gc, Khat = k * exp(G - gc) (<= 1) and the decay exp(G).
+// - flexc_gla_states walks a head's chunks in order, one CTA per (64 x 64 slice of the state,
+//   head, batch): S_{n+1} = diag(exp(G)) S_n + Khat^T V, products alone, several chunks in
+//   flight. It stores each chunk's start state S_n in the input type for the third kernel, and
+//   the final state in float32.
+// - flexc_gla_output, one CTA per (chunk, 64 output columns, head, batch), four warps of 16 rows
+//   (sub-blocks):
+//   o = (q * exp(gc)) S_n scale + A V, A[i][j] = scale sum_d q_i k_j exp(gc_i - gc_j), j <= i.
+//   A's blocks below the diagonal run on tensor cores with every exponent <= 0: q * exp(gc_i -
+//   gc_e) against Khat_J = k * exp(gc_e - gc_j), e the last row of the key block J. The diagonal
+//   16 x 16 blocks factor against their first row f: q * exp(gc_i - gc_f) (<= 1) and k *
+//   exp(gc_f - gc_j) (>= 1), exact as long as the gates fall by less than kSteep (log2 units)
+//   inside the block; key dims where they fall further ("steep": strong decay) leave the
+//   tensor-core product and are added exactly, element by element (the paper's secondary
+//   chunking, with its per-element path only where it is needed).
+// - flexc_gla_step, the recurrent form (decode): the state read once and written once per call.
+//
+// Compile-time configuration (src/linear/gla.cpp): FLEXC_GLA_DK, FLEXC_GLA_DV (64 or 128),
+// FLEXC_BF16, FLEXC_GLA_GATE (0 none, 1 float32, 2 bf16, 3 fp16).
+#include "gla_params.cuh"
+#include "tile_mma.cuh"
+
+namespace flexc_gla {
+
+using namespace flexc_tile;
+
+constexpr int kDK = FLEXC_GLA_DK, kDV = FLEXC_GLA_DV;
+constexpr bool kBf16 = FLEXC_BF16 != 0;
+constexpr int kGate = FLEXC_GLA_GATE;
+constexpr int kChunk = 64, kSub = 16, kThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+// How far (log2 units) the gates may fall inside a diagonal block for its factored product: k
+// grows up to 2^kSteep and must stay finite in the input type (fp16 tops out at 2^16).
+constexpr float kSteep = kBf16 ? 80.f : 8.f;
+static_assert((kDK == 64 || kDK == 128) && (kDV == 64 || kDV == 128), "head dims 64 or 128");
+
+// The log gate of (b, h, t, key dim d); 0 without gates. Below -1e4 (-inf included) it is -1e4:
+// exp of either is 0 in float32 and float64, and the chunk's cumulative sums stay finite. A
+// positive or NaN gate is NaN, so that its head's results are NaN, not silently wrong.
+__device__ __forceinline__ float gate_at(const FlexcGlaParams& p, int b, int h, int t, int d) {
+  if constexpr (kGate == 0) {
+    return 0.f;
+  } else {
+    const long long o = b * p.g_stride[0] + h * p.g_stride[1] + t * p.g_stride[2] +
+                        d * p.g_stride[3];
+    float x;
+    if constexpr (kGate == 1) {
+      x = __ldg(static_cast<const float*>(p.g) + o);
+    } else {
+      x = unpack_lo<kGate == 2>(__ldg(static_cast<const unsigned short*>(p.g) + o));
+    }
+    // Selects, not branches: a branch on a loaded value stalls the warp on every load.
+    const float clamped = fmaxf(x, -1.0e4f);
+    return x <= 0.f ? clamped : __int_as_float(0x7fffffff);
+  }
+}
+
+// The gate of token t, 0 past the sequence (padding rows of the last chunk): the load reads a
+// valid row, the select drops it, and no branch waits on it.
+__device__ __forceinline__ float gate_or_0(const FlexcGlaParams& p, int b, int h, int t, int d) {
+  const float x = gate_at(p, b, h, min(t, p.seq_len - 1), d);
+  return t < p.seq_len ? x : 0.f;
+}
+
+// One 16-bit element of a swizzled tile, and a pair of adjacent ones (c even).
+template <class Tile>
+__device__ __forceinline__ unsigned short* elem(unsigned char* tile, int r, int c) {
+  return reinterpret_cast<unsigned short*>(tile + Tile::offset(r, c / 8) + (c % 8) * 2);
+}
+template <class Tile>
+__device__ __forceinline__ unsigned* pair(unsigned char* tile, int r, int c) {
+  return reinterpret_cast<unsigned*>(elem<Tile>(tile, r, c));
+}
+
+__device__ __forceinline__ long long state_offset(const FlexcGlaParams& p, int b, int h) {
+  return (static_cast<long long>(b) * p.heads + h) * kDK * kDV;
+}
+
+}  // namespace flexc_gla
+
+// ---- Per chunk, in parallel: gc (log2 units), Khat = k * exp(G - gc) and the decay exp(G)
+// (G = gc's last row), so that the sequential pass is products alone and the output kernel
+// loads gc like any tile. Grid (chunks, heads, batch), 4 x kDK threads: a key dim and 16 rows
+// each.
+extern "C" __global__ void __launch_bounds__(4 * flexc_gla::kDK)
+    flexc_gla_prepare(const FlexcGlaParams p) {
+  using namespace flexc_gla;
+  __shared__ float part[4][kDK];  // each row group's gate sum
+  const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
+  const int d = threadIdx.x % kDK, grp = threadIdx.x / kDK, r0 = n * kChunk + grp * kSub;
+  float gc[kSub];
+  float run = 0.f;
+#pragma unroll
+  for (int r = 0; r < kSub; ++r) gc[r] = run += gate_or_0(p, b, h, r0 + r, d);
+  part[grp][d] = run;
+  __syncthreads();
+  float offset = 0.f, total = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    offset += i < grp ? part[i][d] : 0.f;
+    total += part[i][d];
+  }
+  const long long bh = static_cast<long long>(b) * p.heads + h;
+  if (grp == 0) p.decay[(bh * p.chunks + n) * kDK + d] = exp2_approx(total * kLog2e);
+  const unsigned short* kp = static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] +
+                             hk * p.k_stride[1] + d;
+  const long long row = bh * p.chunks * kChunk + r0;
+  unsigned short* kh = static_cast<unsigned short*>(p.khat) + row * kDK + d;
+  float* gout = p.gcum + row * kDK + d;
+#pragma unroll
+  for (int r = 0; r < kSub; ++r) {
+    const int t = r0 + r;
+    const float kv = unpack_lo<kBf16>(__ldg(kp + min(t, p.seq_len - 1) * p.k_stride[2]));
+    const float k = t < p.seq_len ? kv : 0.f;
+    const float g = gc[r] + offset;
+    gout[r * kDK] = g * kLog2e;
+    kh[r * kDK] = static_cast<unsigned short>(
+        pack2<kBf16>(k * exp2_approx((total - g) * kLog2e), 0.f) & 0xffffu);
+  }
+}
+
+// ---- Chunk start states, in order: S_{n+1} = diag(decay_n) S_n + Khat_n^T V_n, from Khat and
+// decay of flexc_gla_prepare, kStatesStages chunks in flight. Grid (kDK / 64 x kDV / 64, heads,
+// batch), 128 threads; dynamic shared memory kStatesSmem.
+namespace flexc_gla {
+constexpr int kStatesStages = kFlexcGlaStatesStages;
+using StateTile = SmemTile<kChunk, 64>;  // 64 tokens x 64 key (Khat) or value (V) dims
+constexpr int kStatesStage = 2 * StateTile::kBytes + 64 * 4;  // Khat, V, the decay slice
+constexpr int kStatesSmem = kStatesStages * kStatesStage;
+}  // namespace flexc_gla
+
+extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGlaParams p) {
+  using namespace flexc_gla;
+  using Tile = StateTile;
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kVSlices = kDV / 64;
+  const int dk0 = blockIdx.x / kVSlices * 64, dv0 = blockIdx.x % kVSlices * 64;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const long long bh = static_cast<long long>(b) * p.heads + h;
+  const unsigned base = smem_addr(smem);
+  auto kh_tile = [&](int s) { return base + s * kStatesStage; };
+  auto v_tile = [&](int s) { return base + s * kStatesStage + Tile::kBytes; };
+  auto decay_at = [&](int s) {
+    return reinterpret_cast<const float*>(smem + s * kStatesStage + 2 * Tile::kBytes);
+  };
+  const TileCopy<Tile, kThreads> copy;
+  const unsigned short* khp =
+      static_cast<const unsigned short*>(p.khat) + bh * p.chunks * kChunk * kDK + dk0;
+  const unsigned short* vp = static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] +
+                             hk * p.v_stride[1] + dv0;
+  const float* dp = p.decay + bh * p.chunks * kDK + dk0;
+  // Chunk n into its stage; a commit group either way, so that the waits count the same.
+  auto load = [&](int n) {
+    if (n < p.chunks) {
+      const int s = n % kStatesStages;
+      copy(kh_tile(s), khp, kDK, n * kChunk, p.chunks * kChunk);
+      copy(v_tile(s), vp, p.v_stride[2], n * kChunk, p.seq_len);
+      if (tid < 16) cp_async_16(base + s * kStatesStage + 2 * Tile::kBytes + tid * 16,
+                                dp + n * kDK + tid * 4, true);
+    }
+    cp_async_commit();
+  };
+
+  // The state slice: rows dk (16 per warp), 64 columns dv, as mma C fragments.
+  float acc[1][8][4];
+  const long long so = bh * kDK * kDV;
+  auto state_index = [&](int j, int e) {
+    const int dk = dk0 + warp * 16 + g + (e >> 1) * 8, dv = dv0 + j * 8 + 2 * t4 + (e & 1);
+    return static_cast<long long>(dk) * kDV + dv;
+  };
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][j][e] = p.h0 ? p.h0[so + state_index(j, e)] : 0.f;
+
+  for (int n = 0; n < kStatesStages - 1; ++n) load(n);
+  const FragAddr<Tile> frag_t = FragAddr<Tile>::b_nk(), frag_v = FragAddr<Tile>::b_kn();
+  for (int n = 0; n < p.chunks; ++n) {
+    const int s = n % kStatesStages;
+    cp_async_wait<kStatesStages - 2>();
+    __syncthreads();  // chunk n is in; every warp is done with chunk n - 1's stage
+    load(n + kStatesStages - 1);
+    // S_n, the state at the chunk's start, for flexc_gla_output.
+    unsigned short* st =
+        static_cast<unsigned short*>(p.states) + (bh * p.chunks + n) * kDK * kDV;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2)
+        *reinterpret_cast<unsigned*>(st + state_index(j, e)) =
+            pack2<kBf16>(acc[0][j][e], acc[0][j][e + 1]);
+    // S = diag(decay) S + Khat^T V: A = Khat^T read transposed, rows dk of this warp.
+    const float* decay = decay_at(s);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float f = decay[warp * 16 + g + (e >> 1) * 8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[0][j][e] *= f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kChunk; kk += 16) {
+      unsigned a[1][4];
+      ldmatrix_x4_trans(a[0], frag_t(kh_tile(s), kk, warp * 2));
+      mma_rows<kBf16>(acc, a, [&](unsigned(&bf)[4], int nn) {
+        ldmatrix_x4_trans(bf, frag_v(v_tile(s), kk, nn / 8));
+      });
+    }
+  }
+  if (p.ht) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p.ht[so + state_index(j, e)] = acc[0][j][e];
+  }
+}
+
+// ---- Chunk outputs: grid (chunks x kDV / 64, heads, batch), 128 threads, one 64-column slice of
+// the output per CTA (two CTAs fit an SM); dynamic shared memory kOutputSmem (host:
+// gla_output_smem).
+namespace flexc_gla {
+
+constexpr int kOutCols = 64;  // output columns per CTA
+using QTile = SmemTile<kChunk, kDK>;
+using VTile = SmemTile<kChunk, kOutCols>;
+using STile = SmemTile<kDK, kOutCols>;
+constexpr int kMaskWords = kDK / 32;
+// gc's rows in shared memory, padded by 8 floats: the 4 rows a half-warp reads at one column
+// pair fall in different banks.
+constexpr int kGcStride = kDK + 8;
+constexpr int kOutputSmem = 3 * QTile::kBytes + VTile::kBytes + STile::kBytes +
+                            kChunk * kGcStride * 4 + 4 * kMaskWords * 4;
+
+// The A fragment (rows 16 w + g, + 8; key dims kk + 2 t4 .. of a k16 step) of
+// q * 2^(gc - ref[d]) (ref: a row of gc, or null for 0), zero where `zero(d)`. The softmax scale
+// is applied to the products instead (one multiply per accumulator, not per operand).
+template <class Zero>
+__device__ __forceinline__ void q_fragment(unsigned (&a)[4], unsigned char* q_tile, const float* gc,
+                                           int w, int kk, const float* ref, Zero zero) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int i = w * 16 + g + (x & 1) * 8, d = kk + 2 * t4 + (x >> 1) * 8;
+    const unsigned qq = *pair<QTile>(q_tile, i, d);
+    const float2 gg = *reinterpret_cast<const float2*>(gc + i * kGcStride + d);
+    const float2 rr = ref ? *reinterpret_cast<const float2*>(ref + d) : make_float2(0.f, 0.f);
+    // Zeroed by a factor, not a branch (the exponents are <= 0: no inf * 0).
+    const float lo = unpack_lo<kBf16>(qq) * exp2_approx(gg.x - rr.x) * (zero(d) ? 0.f : 1.f);
+    const float hi = unpack_hi<kBf16>(qq) * exp2_approx(gg.y - rr.y) * (zero(d + 1) ? 0.f : 1.f);
+    a[x] = pack2<kBf16>(lo, hi);
+  }
+}
+
+}  // namespace flexc_gla
+
+extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const FlexcGlaParams p) {
+  using namespace flexc_gla;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_tile = smem;
+  unsigned char* k_tile = q_tile + QTile::kBytes;  // k, then Kcheck = k * exp(gc_f - gc) in place
+  unsigned char* kh_tile = k_tile + QTile::kBytes;  // Khat = k * exp(gc_e - gc)
+  unsigned char* v_tile = kh_tile + QTile::kBytes;
+  unsigned char* s_tile = v_tile + VTile::kBytes;
+  float* gc = reinterpret_cast<float*>(s_tile + STile::kBytes);  // [64][kGcStride], log2 units
+  unsigned* steep = reinterpret_cast<unsigned*>(gc + kChunk * kGcStride);  // [4][kMaskWords]
+
+  constexpr int kSlices = kDV / kOutCols;
+  const int n = blockIdx.x / kSlices, dv0 = blockIdx.x % kSlices * kOutCols;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
+  const int t0 = n * kChunk;
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const unsigned short* qp =
+      static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const unsigned short* kp =
+      static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const unsigned short* vp =
+      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + dv0;
+  const unsigned short* sp = static_cast<const unsigned short*>(p.states) +
+                             state_offset(p, b, h) * p.chunks +
+                             static_cast<long long>(n) * kDK * kDV + dv0;
+  TileCopy<QTile, kThreads>()(smem_addr(q_tile), qp, p.q_stride[2], t0, p.seq_len);
+  TileCopy<QTile, kThreads>()(smem_addr(k_tile), kp, p.k_stride[2], t0, p.seq_len);
+  TileCopy<VTile, kThreads>()(smem_addr(v_tile), vp, p.v_stride[2], t0, p.seq_len);
+  TileCopy<STile, kThreads>()(smem_addr(s_tile), sp, kDV, 0, kDK);
+  const float* gp = p.gcum + ((static_cast<long long>(b) * p.heads + h) * p.chunks * kChunk + t0) * kDK;
+  constexpr int kGcChunks = kChunk * kDK / 4;  // 16-byte pieces
+#pragma unroll
+  for (int i = tid; i < kGcChunks; i += kThreads) {
+    const int r = i / (kDK / 4), c = i % (kDK / 4) * 4;
+    cp_async_16(smem_addr(gc + r * kGcStride + c), gp + r * kDK + c, true);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+  // The steep dims of each diagonal block, one key dim per thread.
+  if (tid < kDK) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const float fall = gc[s * kSub * kGcStride + tid] - gc[(s * kSub + kSub - 1) * kGcStride + tid];
+      const unsigned m = __ballot_sync(0xffffffffu, fall > kSteep);
+      if (lane == 0) steep[s * kMaskWords + w] = m;
+    }
+  }
+  __syncthreads();
+
+  // Khat and Kcheck, two adjacent key dims at a time.
+  for (int e = tid; e < kChunk * kDK / 2; e += kThreads) {
+    const int r = e / (kDK / 2), d = e % (kDK / 2) * 2, s = r / kSub;
+    unsigned* kk = pair<QTile>(k_tile, r, d);
+    const float k0 = unpack_lo<kBf16>(*kk), k1 = unpack_hi<kBf16>(*kk);
+    const float2 gr = *reinterpret_cast<const float2*>(gc + r * kGcStride + d);
+    const float2 ge = *reinterpret_cast<const float2*>(gc + (s * kSub + kSub - 1) * kGcStride + d);
+    const float2 gf = *reinterpret_cast<const float2*>(gc + s * kSub * kGcStride + d);
+    const unsigned m = steep[s * kMaskWords + d / 32] >> (d % 32);
+    *pair<QTile>(kh_tile, r, d) =
+        pack2<kBf16>(k0 * exp2_approx(ge.x - gr.x), k1 * exp2_approx(ge.y - gr.y));
+    *kk = pack2<kBf16>(m & 1 ? 0.f : k0 * exp2_approx(gf.x - gr.x),
+                       m & 2 ? 0.f : k1 * exp2_approx(gf.y - gr.y));
+  }
+  __syncthreads();
+
+  const float scale = p.scale;
+  const unsigned kt = smem_addr(k_tile), kht = smem_addr(kh_tile);
+  const unsigned vt = smem_addr(v_tile), stt = smem_addr(s_tile);
+  const FragAddr<QTile> frag_nk = FragAddr<QTile>::b_nk();
+  const FragAddr<VTile> frag_v = FragAddr<VTile>::b_kn();
+  const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
+  auto none = [](int) { return false; };
+
+  // The state's part: (q * exp(gc)) S_n * scale.
+  float o[1][kOutCols / 8][4];
+  zero_fragments(o);
+#pragma unroll
+  for (int kk = 0; kk < kDK; kk += 16) {
+    unsigned a[1][4];
+    q_fragment(a[0], q_tile, gc, w, kk, nullptr, none);
+    mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
+      ldmatrix_x4_trans(bf, frag_s(stt, kk, nn / 8));
+    });
+  }
+#pragma unroll
+  for (int j = 0; j < kOutCols / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][j][e] *= scale;
+
+  // A, the warp's 16 rows x the chunk's 64 keys (blocks right of the diagonal stay 0). Key block
+  // J: q against Khat_J, exponents taken against J's last row.
+  float att[1][kChunk / 8][4];
+  zero_fragments(att);
+  auto block = [&](int J, unsigned key_tile, int ref_row, auto zero) {
+#pragma unroll
+    for (int kk = 0; kk < kDK; kk += 16) {
+      unsigned a[4];
+      q_fragment(a, q_tile, gc, w, kk, gc + ref_row * kGcStride, zero);
+      unsigned bf[4];
+      ldmatrix_x4(bf, frag_nk(key_tile, J * kSub, kk / 8));
+      mma_16816<kBf16>(att[0][2 * J], a, bf[0], bf[1]);
+      mma_16816<kBf16>(att[0][2 * J + 1], a, bf[2], bf[3]);
+    }
+  };
+#pragma unroll
+  for (int J = 0; J < 3; ++J)
+    if (J < w) block(J, kht, J * kSub + kSub - 1, none);
+  // The diagonal block: q against Kcheck, exponents against the block's first row; steep dims
+  // zeroed there and added here exactly (k from global memory: the tile holds Kcheck).
+  unsigned mask[kMaskWords];
+#pragma unroll
+  for (int i = 0; i < kMaskWords; ++i) mask[i] = steep[w * kMaskWords + i];
+#pragma unroll
+  for (int J = 0; J < 4; ++J) {
+    if (J != w) continue;
+    block(J, kt, J * kSub, [&](int d) { return (mask[d / 32] >> (d % 32) & 1) != 0; });
+#pragma unroll
+    for (int word = 0; word < kMaskWords; ++word) {
+      for (unsigned bits = mask[word]; bits; bits &= bits - 1) {
+        const int d = word * 32 + __ffs(bits) - 1;
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+          const int i = J * kSub + g + (x >> 2) * 8;
+          const int j = J * kSub + (x & 3) / 2 * 8 + 2 * t4 + (x & 1);
+          if (j > i || t0 + j >= p.seq_len) continue;
+          const float kj = unpack_lo<kBf16>(__ldg(kp + (t0 + j) * p.k_stride[2] + d));
+          const float qi = unpack_lo<kBf16>(*elem<QTile>(q_tile, i, d));
+          att[0][2 * J + (x & 3) / 2][(x >> 2) * 2 + (x & 1)] +=
+              qi * kj * exp2_approx(gc[i * kGcStride + d] - gc[j * kGcStride + d]);
+        }
+      }
+    }
+    // Causal inside the block: key j after row i contributes nothing.
+#pragma unroll
+    for (int x = 0; x < 8; ++x) {
+      const int i = g + (x >> 2) * 8, j = (x & 3) / 2 * 8 + 2 * t4 + (x & 1);
+      if (j > i) att[0][2 * J + (x & 3) / 2][(x >> 2) * 2 + (x & 1)] = 0.f;
+    }
+  }
+
+  // o += (A * scale) V over the key blocks up to the diagonal.
+#pragma unroll
+  for (int J = 0; J < 4; ++J) {
+    if (J > w) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) att[0][2 * J][e] *= scale, att[0][2 * J + 1][e] *= scale;
+    unsigned a[1][4];
+    c_to_a<kBf16>(att[0], J, a[0]);
+    mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
+      ldmatrix_x4_trans(bf, frag_v(vt, J * kSub, nn / 8));
+    });
+  }
+
+  unsigned short* op =
+      static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] + dv0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int t = t0 + w * 16 + g + r * 8;
+    if (t >= p.seq_len) continue;
+#pragma unroll
+    for (int j = 0; j < kOutCols / 8; ++j)
+      *reinterpret_cast<unsigned*>(op + t * p.o_stride[2] + j * 8 + 2 * t4) =
+          pack2<kBf16>(o[0][j][2 * r], o[0][j][2 * r + 1]);
+  }
+}
+
+// ---- The recurrent step: grid (kDV / 64, heads, batch), 256 threads; the state (h0 == ht) is
+// updated in place over the call's seq_len tokens, one after the other.
+extern "C" __global__ void __launch_bounds__(256) flexc_gla_step(const FlexcGlaParams p) {
+  using namespace flexc_gla;
+  constexpr int kGroups = 4, kPer = kDK / kGroups;  // key dims dk = group + 4 m
+  __shared__ float part[kGroups][64];
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
+  const int c = threadIdx.x % 64, grp = threadIdx.x / 64, dv = blockIdx.x * 64 + c;
+  float* state = p.ht + state_offset(p, b, h) + dv;
+  float s[kPer];
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) s[m] = state[(grp + kGroups * m) * kDV];
+  const unsigned short* qp =
+      static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const unsigned short* kp =
+      static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const unsigned short* vp =
+      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  unsigned short* op = static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1];
+  for (int t = 0; t < p.seq_len; ++t) {
+    const float vt = unpack_lo<kBf16>(__ldg(vp + t * p.v_stride[2] + dv));
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < kPer; ++m) {
+      const int dk = grp + kGroups * m;
+      const float decay = kGate ? exp2_approx(gate_at(p, b, h, t, dk) * kLog2e) : 1.f;
+      s[m] = fmaf(s[m], decay, unpack_lo<kBf16>(__ldg(kp + t * p.k_stride[2] + dk)) * vt);
+      acc = fmaf(unpack_lo<kBf16>(__ldg(qp + t * p.q_stride[2] + dk)), s[m], acc);
+    }
+    part[grp][c] = acc;
+    __syncthreads();
+    if (grp == 0) {
+      const float sum = (part[0][c] + part[1][c]) + (part[2][c] + part[3][c]);
+      op[t * p.o_stride[2] + dv] =
+          static_cast<unsigned short>(pack2<kBf16>(sum * p.scale, 0.f) & 0xffffu);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int m = 0; m < kPer; ++m) state[(grp + kGroups * m) * kDV] = s[m];
+}

@@ -1,0 +1,137 @@
+// bench_linear: flexc::linear_attention (chunkwise forward) and flexc::linear_attention_step on
+// issue 15's shapes: (B, T, H, D) = (1, 8192, 16, 128), (8, 2048, 16, 128), (1, 32768, 16, 128),
+// bf16, with GLA's float32 gates per key dim, one gate per step, or none; the step at B x H =
+// 256 and 1024 (one token against a 128 x 128 float32 state per head).
+//
+//   bench_linear [--cases NAME,...] [--reps 20] [--json]
+//
+// Time: CUDA events around --inner calls back to back, their mean per call, median of --reps
+// runs after 3 warm-ups (the first compiles). GB/s: the forward's essential traffic (q, k, v and
+// the gates read once, the output written once) / time; the step's: the state read and written
+// once / time. tools/bench_linear_peers.py runs this with --json beside flash-linear-attention's
+// chunk_gla, SDPA (FlashAttention-2, cuDNN) causal and a device copy.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "flexc/device.h"
+#include "flexc/error.h"
+#include "flexc/linear.h"
+
+using namespace flexc;
+
+namespace {
+
+struct Case {
+  std::string name;
+  int64_t b, t, h, d;
+  std::string gates;  // "dim", "step", "none"
+  bool step = false;  // linear_attention_step over one token
+};
+
+std::vector<Case> all_cases() {
+  std::vector<Case> c;
+  for (auto [b, t] : {std::pair<int64_t, int64_t>{1, 8192}, {8, 2048}, {1, 32768}})
+    for (const char* g : {"dim", "step", "none"})
+      c.push_back({fmt::format("fwd_b{}_t{}k_{}", b, t / 1024, g), b, t, 16, 128, g});
+  for (int64_t b : {16, 64}) c.push_back({fmt::format("step_b{}_h16", b), b, 1, 16, 128, "dim", true});
+  return c;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// bf16 bits of normal values, and float32 gates logsigmoid(x) / 16 (GLA's).
+std::vector<uint16_t> normal_bf16(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = float_to_bf16(nd(rng));
+  return v;
+}
+std::vector<float> gates(size_t n, std::mt19937_64& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = -std::log1p(std::exp(-nd(rng))) / 16.f;
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"flexc::linear_attention on issue 15's shapes"};
+  std::vector<std::string> only;
+  int reps = 20, inner = 5;
+  bool json = false;
+  app.add_option("--cases", only, "case names (default: all)")->delimiter(',');
+  app.add_option("--reps", reps, "timed repetitions (median)")->check(CLI::Range(1, 100000));
+  app.add_option("--inner", inner, "calls per timed run")->check(CLI::Range(1, 10000));
+  app.add_flag("--json", json, "one JSON object per case");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const std::vector<Case> cases = all_cases();
+    for (const std::string& n : only)
+      if (std::none_of(cases.begin(), cases.end(), [&](const Case& c) { return c.name == n; }))
+        throw Error(fmt::format("--cases: no case '{}'", n));
+    std::mt19937_64 rng(15);
+    for (const Case& c : cases) {
+      if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
+      const int64_t n = c.b * c.h * c.t * c.d;
+      const DeviceBuffer q = DeviceBuffer::from<uint16_t>(normal_bf16(n, rng));
+      const DeviceBuffer k = DeviceBuffer::from<uint16_t>(normal_bf16(n, rng));
+      const DeviceBuffer v = DeviceBuffer::from<uint16_t>(normal_bf16(n, rng));
+      const int64_t g_n = c.gates == "dim" ? n : c.gates == "step" ? c.b * c.h * c.t : 1;
+      const DeviceBuffer g = DeviceBuffer::from<float>(gates(size_t(g_n), rng));
+      DeviceBuffer out(n * 2), state(c.b * c.h * c.d * c.d * 4);
+      state.fill(0);
+      const std::vector<int64_t> shape{c.b, c.h, c.t, c.d};
+      const TensorView tq{q.get(), DType::BF16, shape, {}}, tk{k.get(), DType::BF16, shape, {}},
+          tv{v.get(), DType::BF16, shape, {}}, tout{out.get(), DType::BF16, shape, {}};
+      const TensorView tstate{state.get(), DType::F32, {c.b, c.h, c.d, c.d}, {}};
+      LinearOptions o;
+      if (c.gates == "dim") o.g = TensorView{g.get(), DType::F32, shape, {}};
+      if (c.gates == "step") o.g = TensorView{g.get(), DType::F32, {c.b, c.h, c.t}, {}};
+      Stream stream;
+      o.stream = stream.get();
+      auto call = [&] {
+        if (c.step) {
+          linear_attention_step(tq, tk, tv, tstate, tout, o);
+        } else {
+          linear_attention(tq, tk, tv, tout, o);
+        }
+      };
+      for (int i = 0; i < 3; ++i) call();
+      stream.synchronize();
+      std::vector<double> ms;
+      EventTimer timer;
+      for (int i = 0; i < reps; ++i) {
+        timer.start(o.stream);
+        for (int j = 0; j < inner; ++j) call();
+        timer.stop(o.stream);
+        ms.push_back(timer.elapsed_ms() / inner);
+      }
+      const double m = median(ms);
+      const double bytes = c.step ? 2.0 * c.b * c.h * c.d * c.d * 4
+                                  : 4.0 * n * 2 + (c.gates == "none" ? 0 : g_n * 4.0);
+      const double gbs = bytes / (m / 1e3) / 1e9;
+      if (json) {
+        fmt::print("{{\"case\": \"{}\", \"b\": {}, \"t\": {}, \"h\": {}, \"d\": {}, \"gates\": "
+                   "\"{}\", \"step\": {}, \"ms\": {:.5f}, \"bytes\": {:.0f}, \"gbs\": {:.1f}}}\n",
+                   c.name, c.b, c.t, c.h, c.d, c.gates, c.step ? "true" : "false", m, bytes, gbs);
+      } else {
+        fmt::print("{:<22} {:9.4f} ms {:7.0f} GB/s\n", c.name, m, gbs);
+      }
+      std::fflush(stdout);
+    }
+  } catch (const Error& e) {
+    fmt::print(stderr, "bench_linear: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
