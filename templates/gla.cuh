@@ -18,11 +18,13 @@
 //   exp(gc_f - gc_j) (>= 1), exact as long as the gates fall by less than kSteep (log2 units)
 //   inside the block; key dims where they fall further ("steep": strong decay) leave the
 //   tensor-core product and are added exactly, element by element (the paper's secondary
-//   chunking, with its per-element path only where it is needed).
+//   chunking, with its per-element path only where it is needed). With one gate per step (or
+//   none) A is (Q K^T) * exp(gc_i - gc_j) and the state's part exp(gc_i) (Q S_n): see kScalar.
 // - flexc_gla_step, the recurrent form (decode): the state read once and written once per call.
 //
 // Compile-time configuration (src/linear/gla.cpp): FLEXC_GLA_DK, FLEXC_GLA_DV (64 or 128),
-// FLEXC_BF16, FLEXC_GLA_GATE (0 none, 1 float32, 2 bf16, 3 fp16).
+// FLEXC_BF16, FLEXC_GLA_GATE (0 none, 1 float32, 2 bf16, 3 fp16), FLEXC_GLA_SCALAR (1: one gate
+// per step or none, the gates' key-dim stride 0).
 #include "gla_params.cuh"
 #include "tile_mma.cuh"
 
@@ -33,6 +35,10 @@ using namespace flexc_tile;
 constexpr int kDK = FLEXC_GLA_DK, kDV = FLEXC_GLA_DV;
 constexpr bool kBf16 = FLEXC_BF16 != 0;
 constexpr int kGate = FLEXC_GLA_GATE;
+// One gate per step (or none): the decay between two tokens is the same for every key dim, so A
+// is (Q K^T) * exp(gc_i - gc_j) and the state's part is exp(gc_i) (Q S): no per-dim operands.
+constexpr bool kScalar = FLEXC_GLA_SCALAR != 0;
+constexpr int kGcCols = kScalar ? 1 : kDK;  // gc's columns in the workspace
 constexpr int kChunk = 64, kSub = 16, kThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 // How far (log2 units) the gates may fall inside a diagonal block for its factored product: k
@@ -112,14 +118,14 @@ extern "C" __global__ void __launch_bounds__(4 * flexc_gla::kDK)
                              hk * p.k_stride[1] + d;
   const long long row = bh * p.chunks * kChunk + r0;
   unsigned short* kh = static_cast<unsigned short*>(p.khat) + row * kDK + d;
-  float* gout = p.gcum + row * kDK + d;
+  float* gout = p.gcum + row * kGcCols + d;
 #pragma unroll
   for (int r = 0; r < kSub; ++r) {
     const int t = r0 + r;
     const float kv = unpack_lo<kBf16>(__ldg(kp + min(t, p.seq_len - 1) * p.k_stride[2]));
     const float k = t < p.seq_len ? kv : 0.f;
     const float g = gc[r] + offset;
-    gout[r * kDK] = g * kLog2e;
+    if (!kScalar || d == 0) gout[r * kGcCols] = g * kLog2e;
     kh[r * kDK] = static_cast<unsigned short>(
         pack2<kBf16>(k * exp2_approx((total - g) * kLog2e), 0.f) & 0xffffu);
   }
@@ -234,8 +240,10 @@ constexpr int kMaskWords = kDK / 32;
 // gc's rows in shared memory, padded by 8 floats: the 4 rows a half-warp reads at one column
 // pair fall in different banks.
 constexpr int kGcStride = kDK + 8;
-constexpr int kOutputSmem = 3 * QTile::kBytes + VTile::kBytes + STile::kBytes +
-                            kChunk * kGcStride * 4 + 4 * kMaskWords * 4;
+// q, k, v, the state slice, gc; with per-dim gates also the steep masks and Khat.
+constexpr int kOutputSmem =
+    2 * QTile::kBytes + VTile::kBytes + STile::kBytes +
+    (kScalar ? kChunk * 4 : kChunk * kGcStride * 4 + 128 + QTile::kBytes);
 
 // The A fragment (rows 16 w + g, + 8; key dims kk + 2 t4 .. of a k16 step) of
 // q * 2^(gc - ref[d]) (ref: a row of gc, or null for 0), zero where `zero(d)`. The softmax scale
@@ -259,45 +267,18 @@ __device__ __forceinline__ void q_fragment(unsigned (&a)[4], unsigned char* q_ti
 
 }  // namespace flexc_gla
 
-extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const FlexcGlaParams p) {
-  using namespace flexc_gla;
-  extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* q_tile = smem;
-  unsigned char* k_tile = q_tile + QTile::kBytes;  // k, then Kcheck = k * exp(gc_f - gc) in place
-  unsigned char* kh_tile = k_tile + QTile::kBytes;  // Khat = k * exp(gc_e - gc)
-  unsigned char* v_tile = kh_tile + QTile::kBytes;
-  unsigned char* s_tile = v_tile + VTile::kBytes;
-  float* gc = reinterpret_cast<float*>(s_tile + STile::kBytes);  // [64][kGcStride], log2 units
-  unsigned* steep = reinterpret_cast<unsigned*>(gc + kChunk * kGcStride);  // [4][kMaskWords]
+namespace flexc_gla {
 
-  constexpr int kSlices = kDV / kOutCols;
-  const int n = blockIdx.x / kSlices, dv0 = blockIdx.x % kSlices * kOutCols;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
-  const int t0 = n * kChunk;
+// One warp's scores with gates per key dim: its output rows' state part, (q * exp(gc)) S_n *
+// scale, into o, and its 16 rows of A * scale (zero right of the diagonal) into att. The gc tile
+// is in shared memory; Khat and Kcheck are made here (all warps), so the k tile ends as Kcheck.
+__device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned char* q_tile,
+                                               unsigned char* k_tile, unsigned char* kh_tile,
+                                               unsigned char* s_tile, float* gc, unsigned* steep,
+                                               const unsigned short* kp, int t0,
+                                               float (&o)[1][kOutCols / 8][4],
+                                               float (&att)[1][kChunk / 8][4]) {
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const unsigned short* qp =
-      static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
-  const unsigned short* kp =
-      static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
-  const unsigned short* vp =
-      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + dv0;
-  const unsigned short* sp = static_cast<const unsigned short*>(p.states) +
-                             state_offset(p, b, h) * p.chunks +
-                             static_cast<long long>(n) * kDK * kDV + dv0;
-  TileCopy<QTile, kThreads>()(smem_addr(q_tile), qp, p.q_stride[2], t0, p.seq_len);
-  TileCopy<QTile, kThreads>()(smem_addr(k_tile), kp, p.k_stride[2], t0, p.seq_len);
-  TileCopy<VTile, kThreads>()(smem_addr(v_tile), vp, p.v_stride[2], t0, p.seq_len);
-  TileCopy<STile, kThreads>()(smem_addr(s_tile), sp, kDV, 0, kDK);
-  const float* gp = p.gcum + ((static_cast<long long>(b) * p.heads + h) * p.chunks * kChunk + t0) * kDK;
-  constexpr int kGcChunks = kChunk * kDK / 4;  // 16-byte pieces
-#pragma unroll
-  for (int i = tid; i < kGcChunks; i += kThreads) {
-    const int r = i / (kDK / 4), c = i % (kDK / 4) * 4;
-    cp_async_16(smem_addr(gc + r * kGcStride + c), gp + r * kDK + c, true);
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
   // The steep dims of each diagonal block, one key dim per thread.
   if (tid < kDK) {
 #pragma unroll
@@ -326,16 +307,11 @@ extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const Flex
   __syncthreads();
 
   const float scale = p.scale;
-  const unsigned kt = smem_addr(k_tile), kht = smem_addr(kh_tile);
-  const unsigned vt = smem_addr(v_tile), stt = smem_addr(s_tile);
+  const unsigned kt = smem_addr(k_tile), kht = smem_addr(kh_tile), stt = smem_addr(s_tile);
   const FragAddr<QTile> frag_nk = FragAddr<QTile>::b_nk();
-  const FragAddr<VTile> frag_v = FragAddr<VTile>::b_kn();
   const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
   auto none = [](int) { return false; };
 
-  // The state's part: (q * exp(gc)) S_n * scale.
-  float o[1][kOutCols / 8][4];
-  zero_fragments(o);
 #pragma unroll
   for (int kk = 0; kk < kDK; kk += 16) {
     unsigned a[1][4];
@@ -349,10 +325,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const Flex
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[0][j][e] *= scale;
 
-  // A, the warp's 16 rows x the chunk's 64 keys (blocks right of the diagonal stay 0). Key block
-  // J: q against Khat_J, exponents taken against J's last row.
-  float att[1][kChunk / 8][4];
-  zero_fragments(att);
+  // Key block J: q against Khat_J, exponents taken against J's last row.
   auto block = [&](int J, unsigned key_tile, int ref_row, auto zero) {
 #pragma unroll
     for (int kk = 0; kk < kDK; kk += 16) {
@@ -399,13 +372,120 @@ extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const Flex
       if (j > i) att[0][2 * J + (x & 3) / 2][(x >> 2) * 2 + (x & 1)] = 0.f;
     }
   }
+#pragma unroll
+  for (int J = 0; J < 4; ++J)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) att[0][2 * J][e] *= scale, att[0][2 * J + 1][e] *= scale;
+}
 
-  // o += (A * scale) V over the key blocks up to the diagonal.
+// The same with one gate per step: gc is a row vector (log2 units). Q's fragments serve Q S_n and
+// every Q K_J^T; the gates enter as factors of rows (the state's part) and of (i, j) (A).
+__device__ __forceinline__ void scalar_scores(const FlexcGlaParams& p, unsigned char* q_tile,
+                                              unsigned char* k_tile, unsigned char* s_tile,
+                                              const float* gc, float (&o)[1][kOutCols / 8][4],
+                                              float (&att)[1][kChunk / 8][4]) {
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const unsigned qt = smem_addr(q_tile), kt = smem_addr(k_tile), stt = smem_addr(s_tile);
+  const FragAddr<QTile> frag_a = FragAddr<QTile>::a(), frag_nk = FragAddr<QTile>::b_nk();
+  const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
+#pragma unroll
+  for (int kk = 0; kk < kDK; kk += 16) {
+    unsigned a[1][4];
+    ldmatrix_x4(a[0], frag_a(qt, w * 16, kk / 8));
+    mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
+      ldmatrix_x4_trans(bf, frag_s(stt, kk, nn / 8));
+    });
+#pragma unroll
+    for (int J = 0; J < 4; ++J) {
+      if (J > w) continue;
+      unsigned bf[4];
+      ldmatrix_x4(bf, frag_nk(kt, J * kSub, kk / 8));
+      mma_16816<kBf16>(att[0][2 * J], a[0], bf[0], bf[1]);
+      mma_16816<kBf16>(att[0][2 * J + 1], a[0], bf[2], bf[3]);
+    }
+  }
+  const float scale = p.scale;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = w * 16 + g + r * 8;
+    const float row = exp2_approx(gc[i]) * scale;
+#pragma unroll
+    for (int j = 0; j < kOutCols / 8; ++j) o[0][j][2 * r] *= row, o[0][j][2 * r + 1] *= row;
+#pragma unroll
+    for (int c = 0; c < kChunk / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = c * 8 + 2 * t4 + e;
+        // j > i: after the row (and the blocks right of the diagonal, never computed).
+        att[0][c][2 * r + e] *= j > i ? 0.f : exp2_approx(gc[i] - gc[j]) * scale;
+      }
+  }
+}
+
+}  // namespace flexc_gla
+
+extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const FlexcGlaParams p) {
+  using namespace flexc_gla;
+  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* q_tile = smem;
+  unsigned char* k_tile = q_tile + QTile::kBytes;  // k (per-dim gates: then Kcheck, in place)
+  unsigned char* v_tile = k_tile + QTile::kBytes;
+  unsigned char* s_tile = v_tile + VTile::kBytes;
+  float* gc = reinterpret_cast<float*>(s_tile + STile::kBytes);  // log2 units
+  // Per-dim gates: gc [64][kGcStride], the steep masks [4][kMaskWords] (in 128 bytes), Khat =
+  // k * exp(gc_e - gc).
+  unsigned* steep = reinterpret_cast<unsigned*>(gc + kChunk * kGcStride);
+  unsigned char* kh_tile = reinterpret_cast<unsigned char*>(steep) + 128;
+
+  constexpr int kSlices = kDV / kOutCols;
+  const int n = blockIdx.x / kSlices, dv0 = blockIdx.x % kSlices * kOutCols;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
+  const int t0 = n * kChunk;
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const unsigned short* qp =
+      static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const unsigned short* kp =
+      static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const unsigned short* vp =
+      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + dv0;
+  const unsigned short* sp = static_cast<const unsigned short*>(p.states) +
+                             state_offset(p, b, h) * p.chunks +
+                             static_cast<long long>(n) * kDK * kDV + dv0;
+  TileCopy<QTile, kThreads>()(smem_addr(q_tile), qp, p.q_stride[2], t0, p.seq_len);
+  TileCopy<QTile, kThreads>()(smem_addr(k_tile), kp, p.k_stride[2], t0, p.seq_len);
+  TileCopy<VTile, kThreads>()(smem_addr(v_tile), vp, p.v_stride[2], t0, p.seq_len);
+  TileCopy<STile, kThreads>()(smem_addr(s_tile), sp, kDV, 0, kDK);
+  const float* gp =
+      p.gcum + ((static_cast<long long>(b) * p.heads + h) * p.chunks * kChunk + t0) * kGcCols;
+  constexpr int kGcPieces = kChunk * kGcCols / 4;  // 16 bytes each
+#pragma unroll
+  for (int i = tid; i < kGcPieces; i += kThreads) {
+    if constexpr (kScalar) {
+      cp_async_16(smem_addr(gc + i * 4), gp + i * 4, true);
+    } else {
+      const int r = i / (kDK / 4), c = i % (kDK / 4) * 4;
+      cp_async_16(smem_addr(gc + r * kGcStride + c), gp + r * kDK + c, true);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  float o[1][kOutCols / 8][4], att[1][kChunk / 8][4];
+  zero_fragments(o);
+  zero_fragments(att);
+  if constexpr (kScalar) {
+    scalar_scores(p, q_tile, k_tile, s_tile, gc, o, att);
+  } else {
+    per_dim_scores(p, q_tile, k_tile, kh_tile, s_tile, gc, steep, kp, t0, o, att);
+  }
+
+  // o += A V over the key blocks up to the diagonal.
+  const unsigned vt = smem_addr(v_tile);
+  const FragAddr<VTile> frag_v = FragAddr<VTile>::b_kn();
 #pragma unroll
   for (int J = 0; J < 4; ++J) {
     if (J > w) continue;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) att[0][2 * J][e] *= scale, att[0][2 * J + 1][e] *= scale;
     unsigned a[1][4];
     c_to_a<kBf16>(att[0], J, a[0]);
     mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {

@@ -333,6 +333,8 @@ TEST_CASE("the linear attention kernels build for sm_80 and sm_90", "[linear][ji
   for (const char* arch : {"sm_80", "sm_90"}) {
     for (GateType gate : {GateType::None, GateType::F32, GateType::BF16})
       specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 128, gate}));
+    specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 128, GateType::F32, true}));
+    specs.push_back(detail::gla_spec({arch, DType::F16, 64, 64, GateType::F16, true}));
     specs.push_back(detail::gla_spec({arch, DType::F16, 64, 128, GateType::F16}));
     specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 64, GateType::F32}));
   }

@@ -58,9 +58,10 @@ void linear_attention_step(const TensorView& q, const TensorView& k, const Tenso
 // ---- The float64 CPU reference and the tolerance rule (docs/linear.md).
 //
 // `gold` is the recurrence above in float64 on the kernel's (rounded) inputs. `ref` is the
-// chunkwise computation flexc's kernels do, in float64 but rounded where they round: the scaled
-// q and k operands and A to the input type before their products, the chunk start states to it
-// before q S, the output to it. rmse(ref, gold) is what a correct kernel's rounding costs.
+// chunkwise computation flexc's kernels do, in float64 but rounded where they round: the
+// gate-scaled q and k operands (gates per key dim) and A to the input type before their
+// products, the chunk start states to it before q S, the output to it. rmse(ref, gold) is what a
+// correct kernel's rounding costs.
 
 struct LinearReferenceProblem {
   // Inputs widened to float, contiguous: q [B, H, T, DK], k [B, Hk, T, DK], v [B, Hk, T, DV],

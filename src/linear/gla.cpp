@@ -36,16 +36,17 @@ jit::KernelSpec gla_spec(const GlaConfig& c) {
           {{"FLEXC_GLA_DK", std::to_string(c.dk)},
            {"FLEXC_GLA_DV", std::to_string(c.dv)},
            {"FLEXC_BF16", c.dtype == DType::BF16 ? "1" : "0"},
-           {"FLEXC_GLA_GATE", std::to_string(static_cast<int>(c.gate))}},
+           {"FLEXC_GLA_GATE", std::to_string(static_cast<int>(c.gate))},
+           {"FLEXC_GLA_SCALAR", c.scalar_gate || c.gate == GateType::None ? "1" : "0"}},
           c.arch};
 }
 
-size_t gla_output_smem(int dk) {
-  // q, k (then Kcheck), Khat: 64 x dk; v: 64 x 64 (the CTA's output columns); the chunk
-  // state dk x 64, all 16-bit; the cumulative gates 64 x dk float32 (rows padded by 8); the steep-dim masks of the
-  // four diagonal blocks.
-  return size_t(3 * 64 * dk + 64 * 64 + dk * 64) * 2 + size_t(64 * (dk + 8)) * 4 +
-         4 * (dk / 32) * 4;
+size_t gla_output_smem(int dk, bool scalar_gate) {
+  // q, k: 64 x dk; v: 64 x 64 (the CTA's output columns); the chunk state dk x 64, all 16-bit;
+  // gc: 64 floats, or per key dim 64 x (dk + 8) floats, the steep-dim masks of the four diagonal
+  // blocks (in 128 bytes) and Khat (64 x dk, 16-bit).
+  const size_t tiles = size_t(2 * 64 * dk + 64 * 64 + dk * 64) * 2;
+  return tiles + (scalar_gate ? 64 * 4 : size_t(64 * (dk + 8)) * 4 + 128 + size_t(64 * dk) * 2);
 }
 
 size_t gla_states_smem() {
@@ -98,11 +99,18 @@ Shapes check_qkvo(std::string_view what, const TensorView& q, const TensorView& 
   return s;
 }
 
+struct Gates {
+  detail::GateType type = detail::GateType::None;
+  bool scalar = true;          // one per step (key-dim stride 0), or none
+  long long strides[4] = {};  // batch, head, token, key dim
+};
+
 // The gates: [B, H, T, DK] or [B, H, T], float32 / bf16 / fp16, any non-negative strides.
-detail::GateType check_gates(std::string_view what, const std::optional<TensorView>& g,
-                             const Shapes& s, long long (&strides)[4]) {
+Gates check_gates(std::string_view what, const std::optional<TensorView>& g, const Shapes& s) {
   const auto fail = [&](const std::string& m) { throw Error(fmt::format("{}: {}", what, m)); };
-  if (!g) return detail::GateType::None;
+  Gates out;
+  if (!g) return out;
+  long long(&strides)[4] = out.strides;
   const TensorView& t = *g;
   const bool per_dim = t.rank() == 4;
   if ((t.rank() != 3 && t.rank() != 4) || t.shape[0] != s.B || t.shape[1] != s.H ||
@@ -111,11 +119,10 @@ detail::GateType check_gates(std::string_view what, const std::optional<TensorVi
                      s.T, s.DK, t.describe()));
   if (!t.strides.empty() && t.strides.size() != t.rank())
     fail(fmt::format("g: {} strides for rank {}", t.strides.size(), t.rank()));
-  detail::GateType type{};
   switch (t.dtype) {
-    case DType::F32: type = detail::GateType::F32; break;
-    case DType::BF16: type = detail::GateType::BF16; break;
-    case DType::F16: type = detail::GateType::F16; break;
+    case DType::F32: out.type = detail::GateType::F32; break;
+    case DType::BF16: out.type = detail::GateType::BF16; break;
+    case DType::F16: out.type = detail::GateType::F16; break;
     default: fail(fmt::format("g is {}; float32, bf16 or fp16 expected", dtype_name(t.dtype)));
   }
   for (size_t i = 0; i < t.rank(); ++i) {
@@ -126,7 +133,8 @@ detail::GateType check_gates(std::string_view what, const std::optional<TensorVi
   if (t.data == nullptr && !detail::is_empty(t)) fail("g has no data");
   if (reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
     fail(fmt::format("g's data must be aligned to its {}-byte elements", dtype_size(t.dtype)));
-  return type;
+  out.scalar = strides[3] == 0;
+  return out;
 }
 
 // A float32 [B, H, DK, DV] contiguous state.
@@ -151,7 +159,7 @@ double check_scale(std::string_view what, const std::optional<double>& scale, in
 
 FlexcGlaParams make_params(const TensorView& q, const TensorView& k, const TensorView& v,
                            const TensorView& out, const std::optional<TensorView>& g,
-                           const long long (&g_strides)[4], const Shapes& s, double scale) {
+                           const Gates& gates, const Shapes& s, double scale) {
   FlexcGlaParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;
   p.g = g ? g->data : nullptr;
@@ -159,21 +167,22 @@ FlexcGlaParams make_params(const TensorView& q, const TensorView& k, const Tenso
     p.q_stride[i] = q.stride(i), p.k_stride[i] = k.stride(i), p.v_stride[i] = v.stride(i);
     p.o_stride[i] = out.stride(i);
   }
-  for (int i = 0; i < 4; ++i) p.g_stride[i] = g_strides[i];
+  for (int i = 0; i < 4; ++i) p.g_stride[i] = gates.strides[i];
   p.batch = int(s.B), p.heads = int(s.H), p.k_heads = int(s.Hk);
   p.seq_len = int(s.T), p.chunks = int((s.T + 63) / 64);
   p.scale = static_cast<float>(scale);
   return p;
 }
 
-const jit::Kernel& kernel_for(const TensorView& q, const Shapes& s, detail::GateType gate,
+const jit::Kernel& kernel_for(const TensorView& q, const Shapes& s, const Gates& gates,
                               const char* entry, std::string_view what) {
   const detail::DeviceLimits dev = detail::device_limits();
   if (dev.major < 8)
     throw Error(fmt::format("{}: needs a GPU of compute capability 8.0 or newer; this one is "
                             "{}.{}",
                             what, dev.major, dev.minor));
-  jit::KernelSpec spec = detail::gla_spec({"", q.dtype, int(s.DK), int(s.DV), gate});
+  jit::KernelSpec spec =
+      detail::gla_spec({"", q.dtype, int(s.DK), int(s.DV), gates.type, gates.scalar});
   spec.entry = entry;
   return jit::get_kernel(detail::gla_variant(), spec);
 }
@@ -184,8 +193,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
                       const TensorView& out, const LinearOptions& opts) {
   constexpr std::string_view what = "flexc::linear_attention";
   const Shapes s = check_qkvo(what, q, k, v, out);
-  long long g_strides[4] = {};
-  const detail::GateType gate = check_gates(what, opts.g, s, g_strides);
+  const Gates gates = check_gates(what, opts.g, s);
   if (opts.initial_state) check_state(what, "initial_state", *opts.initial_state, s);
   if (opts.final_state) {
     check_state(what, "final_state", *opts.final_state, s);
@@ -196,14 +204,14 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const double scale = check_scale(what, opts.scale, s.DK);
   if (s.B == 0 || s.H == 0) return;
 
-  FlexcGlaParams p = make_params(q, k, v, out, opts.g, g_strides, s, scale);
+  FlexcGlaParams p = make_params(q, k, v, out, opts.g, gates, s, scale);
   p.h0 = opts.initial_state ? static_cast<const float*>(opts.initial_state->data) : nullptr;
   p.ht = opts.final_state ? static_cast<float*>(opts.final_state->data) : nullptr;
   if (s.T == 0 && !p.ht) return;
-  const jit::Kernel& prepare = kernel_for(q, s, gate, "flexc_gla_prepare", what);
-  const jit::Kernel& states = kernel_for(q, s, gate, "flexc_gla_states", what);
-  const jit::Kernel& output = kernel_for(q, s, gate, "flexc_gla_output", what);
-  const size_t smem = detail::gla_output_smem(int(s.DK));
+  const jit::Kernel& prepare = kernel_for(q, s, gates, "flexc_gla_prepare", what);
+  const jit::Kernel& states = kernel_for(q, s, gates, "flexc_gla_states", what);
+  const jit::Kernel& output = kernel_for(q, s, gates, "flexc_gla_output", what);
+  const size_t smem = detail::gla_output_smem(int(s.DK), gates.scalar);
   if (smem > detail::device_limits().max_smem)
     throw Error(fmt::format("{}: head dims {} / {} need {} KiB of shared memory per block; this "
                             "GPU allows {} KiB",
@@ -215,7 +223,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const size_t states_bytes = aligned(heads * chunks * size_t(s.DK * s.DV) * 2);
   const size_t khat_bytes = aligned(heads * chunks * 64 * size_t(s.DK) * 2);
   const size_t decay_bytes = aligned(heads * chunks * size_t(s.DK) * 4);
-  const size_t gcum_bytes = aligned(heads * chunks * 64 * size_t(s.DK) * 4);
+  const size_t gcum_bytes = aligned(heads * chunks * 64 * size_t(gates.scalar ? 1 : s.DK) * 4);
   detail::StreamBuffer work(
       std::max<size_t>(states_bytes + khat_bytes + decay_bytes + gcum_bytes, 256), opts.stream,
       opts.workspace, what);
@@ -239,8 +247,7 @@ void linear_attention_step(const TensorView& q, const TensorView& k, const Tenso
                            const LinearOptions& opts) {
   constexpr std::string_view what = "flexc::linear_attention_step";
   const Shapes s = check_qkvo(what, q, k, v, out);
-  long long g_strides[4] = {};
-  const detail::GateType gate = check_gates(what, opts.g, s, g_strides);
+  const Gates gates = check_gates(what, opts.g, s);
   if (opts.initial_state || opts.final_state)
     throw Error(fmt::format("{}: the state is the `state` argument, updated in place; "
                             "initial_state and final_state must be unset",
@@ -251,9 +258,9 @@ void linear_attention_step(const TensorView& q, const TensorView& k, const Tenso
   const double scale = check_scale(what, opts.scale, s.DK);
   if (s.B == 0 || s.H == 0 || s.T == 0) return;
 
-  FlexcGlaParams p = make_params(q, k, v, out, opts.g, g_strides, s, scale);
+  FlexcGlaParams p = make_params(q, k, v, out, opts.g, gates, s, scale);
   p.ht = static_cast<float*>(state.data);
-  const jit::Kernel& step = kernel_for(q, s, gate, "flexc_gla_step", what);
+  const jit::Kernel& step = kernel_for(q, s, gates, "flexc_gla_step", what);
   void* args[] = {&p};
   step.launch(unsigned(s.DV / 64), unsigned(s.H), unsigned(s.B), 256, 0, opts.stream, args);
 }

@@ -67,6 +67,8 @@ void ref_head(const Head& x, double* out, double* state) {
   const auto rnd = [&](double v) { return p.exact_ref ? v : detail::round_to(p.dtype, v); };
   const double steep_bound = (p.dtype == DType::BF16 ? 80.0 : 8.0) / std::log2(std::exp(1.0));
   const int64_t DK = p.dk, DV = p.dv;
+  // One gate per step or none: the kernels' scalar path (templates/gla.cuh, kScalar).
+  const bool scalar = p.g.empty() || !p.per_dim_gates;
   std::vector<double> S(size_t(DK * DV)), S16(S.size()), gc(size_t(kChunk * DK));
   for (int64_t d = 0; d < DK; ++d)
     for (int64_t e = 0; e < DV; ++e) S[d * DV + e] = x.h0(d, e);
@@ -87,6 +89,11 @@ void ref_head(const Head& x, double* out, double* state) {
       for (int64_t j = 0; j <= i; ++j) {
         const int64_t J = j / kSub, e = J * kSub + kSub - 1;
         double a = 0;
+        if (scalar) {  // (q . k) exp(gc_i - gc_j): no scaled operands
+          for (int64_t d = 0; d < DK; ++d) a += x.q(t0 + i, d) * x.k(t0 + j, d);
+          A[i * kChunk + j] = rnd(a * std::exp(G(i, 0) - G(j, 0)) * x.scale);
+          continue;
+        }
         for (int64_t d = 0; d < DK; ++d) {
           const double qd = x.q(t0 + i, d), kd = x.k(t0 + j, d);
           if (J < I) {
@@ -103,10 +110,11 @@ void ref_head(const Head& x, double* out, double* state) {
     for (int64_t i = 0; i < rows; ++i) {
       std::fill(o.begin(), o.end(), 0.0);
       for (int64_t d = 0; d < DK; ++d) {
-        const double qg = rnd(x.q(t0 + i, d) * std::exp(G(i, d)));
+        // Scalar gates scale the row after the product, per-dim ones the operand before it.
+        const double qg = scalar ? x.q(t0 + i, d) : rnd(x.q(t0 + i, d) * std::exp(G(i, d)));
         for (int64_t e = 0; e < DV; ++e) o[e] += qg * S16[d * DV + e];
       }
-      for (int64_t e = 0; e < DV; ++e) o[e] *= x.scale;
+      for (int64_t e = 0; e < DV; ++e) o[e] *= x.scale * (scalar ? std::exp(G(i, 0)) : 1.0);
       for (int64_t j = 0; j <= i; ++j)
         for (int64_t e = 0; e < DV; ++e) o[e] += A[i * kChunk + j] * x.v(t0 + j, e);
       for (int64_t e = 0; e < DV; ++e) out[(t0 + i) * DV + e] = rnd(o[e]);
