@@ -5,12 +5,12 @@
 // Chunks of 64 tokens, in three kernels (the split of flash-linear-attention's chunk_gla):
 // - flexc_gla_prepare, one CTA per (chunk, head, batch): gc, the gates' cumulative sum inside the
 //   chunk, G its last row; it writes gc, Khat = k * exp(G - gc) (<= 1) and the decay exp(G).
-// - flexc_gla_states walks a head's chunks in order, one CTA per (64 x 64 slice of the state,
+// - flexc_gla_states walks a head's chunks in order, one CTA per (64 x 32 slice of the state,
 //   head, batch): S_{n+1} = diag(exp(G)) S_n + Khat^T V, products alone, several chunks in
 //   flight. It stores each chunk's start state S_n in the input type for the third kernel, and
 //   the final state in float32.
-// - flexc_gla_output, one CTA per (chunk, 64 output columns, head, batch), four warps of 16 rows
-//   (sub-blocks):
+// - flexc_gla_output, one CTA per (chunk, head, batch), eight warps: two per 16-row block
+//   (sub-block), which split A's key dims and the output's columns:
 //   o = (q * exp(gc)) S_n scale + A V, A[i][j] = scale sum_d q_i k_j exp(gc_i - gc_j), j <= i.
 //   A's blocks below the diagonal run on tensor cores with every exponent <= 0: q * exp(gc_i -
 //   gc_e) against Khat_J = k * exp(gc_e - gc_j), e the last row of the key block J. The diagonal
@@ -132,31 +132,34 @@ extern "C" __global__ void __launch_bounds__(4 * flexc_gla::kDK)
 }
 
 // ---- Chunk start states, in order: S_{n+1} = diag(decay_n) S_n + Khat_n^T V_n, from Khat and
-// decay of flexc_gla_prepare, kStatesStages chunks in flight. Grid (kDK / 64 x kDV / 64, heads,
-// batch), 128 threads; dynamic shared memory kStatesSmem.
+// decay of flexc_gla_prepare, kStatesStages chunks in flight. Grid (kDK / 64 x kDV /
+// kStateCols, heads, batch), 128 threads; dynamic shared memory kStatesSmem. Slices of 64 x 32:
+// the pass is a chain of dependent steps per slice, so more slices keep more SMs pulling.
 namespace flexc_gla {
-constexpr int kStatesStages = kFlexcGlaStatesStages;
-using StateTile = SmemTile<kChunk, 64>;  // 64 tokens x 64 key (Khat) or value (V) dims
-constexpr int kStatesStage = 2 * StateTile::kBytes + 64 * 4;  // Khat, V, the decay slice
+constexpr int kStatesStages = kFlexcGlaStatesStages, kStateCols = kFlexcGlaStateCols;
+using KhatTile = SmemTile<kChunk, 64>;          // 64 tokens x 64 key dims
+using VSliceTile = SmemTile<kChunk, kStateCols>;  // 64 tokens x the slice's value dims
+constexpr int kStatesStage = KhatTile::kBytes + VSliceTile::kBytes + 64 * 4;  // + the decays
 constexpr int kStatesSmem = kStatesStages * kStatesStage;
 }  // namespace flexc_gla
 
 extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGlaParams p) {
   using namespace flexc_gla;
-  using Tile = StateTile;
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int kVSlices = kDV / 64;
-  const int dk0 = blockIdx.x / kVSlices * 64, dv0 = blockIdx.x % kVSlices * 64;
+  constexpr int kVSlices = kDV / kStateCols, kNT = kStateCols / 8;
+  const int dk0 = blockIdx.x / kVSlices * 64, dv0 = blockIdx.x % kVSlices * kStateCols;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const long long bh = static_cast<long long>(b) * p.heads + h;
   const unsigned base = smem_addr(smem);
   auto kh_tile = [&](int s) { return base + s * kStatesStage; };
-  auto v_tile = [&](int s) { return base + s * kStatesStage + Tile::kBytes; };
+  auto v_tile = [&](int s) { return base + s * kStatesStage + KhatTile::kBytes; };
+  constexpr int kDecayAt = KhatTile::kBytes + VSliceTile::kBytes;
   auto decay_at = [&](int s) {
-    return reinterpret_cast<const float*>(smem + s * kStatesStage + 2 * Tile::kBytes);
+    return reinterpret_cast<const float*>(smem + s * kStatesStage + kDecayAt);
   };
-  const TileCopy<Tile, kThreads> copy;
+  const TileCopy<KhatTile, kThreads> copy_k;
+  const TileCopy<VSliceTile, kThreads> copy_v;
   const unsigned short* khp =
       static_cast<const unsigned short*>(p.khat) + bh * p.chunks * kChunk * kDK + dk0;
   const unsigned short* vp = static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] +
@@ -166,28 +169,29 @@ extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGl
   auto load = [&](int n) {
     if (n < p.chunks) {
       const int s = n % kStatesStages;
-      copy(kh_tile(s), khp, kDK, n * kChunk, p.chunks * kChunk);
-      copy(v_tile(s), vp, p.v_stride[2], n * kChunk, p.seq_len);
-      if (tid < 16) cp_async_16(base + s * kStatesStage + 2 * Tile::kBytes + tid * 16,
-                                dp + n * kDK + tid * 4, true);
+      copy_k(kh_tile(s), khp, kDK, n * kChunk, p.chunks * kChunk);
+      copy_v(v_tile(s), vp, p.v_stride[2], n * kChunk, p.seq_len);
+      if (tid < 16)
+        cp_async_16(base + s * kStatesStage + kDecayAt + tid * 16, dp + n * kDK + tid * 4, true);
     }
     cp_async_commit();
   };
 
-  // The state slice: rows dk (16 per warp), 64 columns dv, as mma C fragments.
-  float acc[1][8][4];
+  // The state slice: rows dk (16 per warp), kStateCols columns dv, as mma C fragments.
+  float acc[1][kNT][4];
   const long long so = bh * kDK * kDV;
   auto state_index = [&](int j, int e) {
     const int dk = dk0 + warp * 16 + g + (e >> 1) * 8, dv = dv0 + j * 8 + 2 * t4 + (e & 1);
     return static_cast<long long>(dk) * kDV + dv;
   };
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < kNT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][j][e] = p.h0 ? p.h0[so + state_index(j, e)] : 0.f;
 
   for (int n = 0; n < kStatesStages - 1; ++n) load(n);
-  const FragAddr<Tile> frag_t = FragAddr<Tile>::b_nk(), frag_v = FragAddr<Tile>::b_kn();
+  const FragAddr<KhatTile> frag_t = FragAddr<KhatTile>::b_nk();
+  const FragAddr<VSliceTile> frag_v = FragAddr<VSliceTile>::b_kn();
   for (int n = 0; n < p.chunks; ++n) {
     const int s = n % kStatesStages;
     cp_async_wait<kStatesStages - 2>();
@@ -197,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGl
     unsigned short* st =
         static_cast<unsigned short*>(p.states) + (bh * p.chunks + n) * kDK * kDV;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; e += 2)
         *reinterpret_cast<unsigned*>(st + state_index(j, e)) =
@@ -208,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGl
     for (int e = 0; e < 4; ++e) {
       const float f = decay[warp * 16 + g + (e >> 1) * 8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[0][j][e] *= f;
+      for (int j = 0; j < kNT; ++j) acc[0][j][e] *= f;
     }
 #pragma unroll
     for (int kk = 0; kk < kChunk; kk += 16) {
@@ -221,29 +225,32 @@ extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGl
   }
   if (p.ht) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < kNT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) p.ht[so + state_index(j, e)] = acc[0][j][e];
   }
 }
 
-// ---- Chunk outputs: grid (chunks x kDV / 64, heads, batch), 128 threads, one 64-column slice of
-// the output per CTA (two CTAs fit an SM); dynamic shared memory kOutputSmem (host:
-// gla_output_smem).
+// ---- Chunk outputs: grid (chunks, heads, batch), 256 threads: eight warps, two per 16-row block
+// (sub-block) of the chunk, each writing half of its output columns; dynamic shared memory
+// kOutputSmem (host: gla_output_smem).
 namespace flexc_gla {
 
-constexpr int kOutCols = 64;  // output columns per CTA
+constexpr int kOutThreads = 256;
+constexpr int kOutCols = kDV / 2;  // output columns per warp
 using QTile = SmemTile<kChunk, kDK>;
-using VTile = SmemTile<kChunk, kOutCols>;
-using STile = SmemTile<kDK, kOutCols>;
+using VTile = SmemTile<kChunk, kDV>;
+using STile = SmemTile<kDK, kDV>;
 constexpr int kMaskWords = kDK / 32;
 // gc's rows in shared memory, padded by 8 floats: the 4 rows a half-warp reads at one column
 // pair fall in different banks.
 constexpr int kGcStride = kDK + 8;
-// q, k, v, the state slice, gc; with per-dim gates also the steep masks and Khat.
+// q, k, v, the state, gc; with per-dim gates also the steep masks (in 128 bytes) and Khat.
 constexpr int kOutputSmem =
     2 * QTile::kBytes + VTile::kBytes + STile::kBytes +
     (kScalar ? kChunk * 4 : kChunk * kGcStride * 4 + 128 + QTile::kBytes);
+static_assert(kScalar || 4 * 32 * (kChunk / 8) * 4 * 4 <= kChunk * kGcStride * 4,
+              "A's partial sums are exchanged through gc's space");
 
 // The A fragment (rows 16 w + g, + 8; key dims kk + 2 t4 .. of a k16 step) of
 // q * 2^(gc - ref[d]) (ref: a row of gc, or null for 0), zero where `zero(d)`. The softmax scale
@@ -265,33 +272,31 @@ __device__ __forceinline__ void q_fragment(unsigned (&a)[4], unsigned char* q_ti
   }
 }
 
-}  // namespace flexc_gla
-
-namespace flexc_gla {
-
-// One warp's scores with gates per key dim: its output rows' state part, (q * exp(gc)) S_n *
-// scale, into o, and its 16 rows of A * scale (zero right of the diagonal) into att. The gc tile
-// is in shared memory; Khat and Kcheck are made here (all warps), so the k tile ends as Kcheck.
+// Gates per key dim. Warp (w, half): its rows' state part, (q * exp(gc)) S_n * scale, for its
+// output columns into o; A * scale for its 16 rows (zero right of the diagonal) into att, the two
+// warps of a row block each summing half of the key dims and exchanging the partial sums. The gc
+// tile is in shared memory; Khat and Kcheck are made here (the k tile ends as Kcheck).
 __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned char* q_tile,
                                                unsigned char* k_tile, unsigned char* kh_tile,
                                                unsigned char* s_tile, float* gc, unsigned* steep,
                                                const unsigned short* kp, int t0,
                                                float (&o)[1][kOutCols / 8][4],
                                                float (&att)[1][kChunk / 8][4]) {
-  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int tid = threadIdx.x, warp = tid / 32, w = warp % 4, half = warp / 4;
+  const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
   // The steep dims of each diagonal block, one key dim per thread.
   if (tid < kDK) {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const float fall = gc[s * kSub * kGcStride + tid] - gc[(s * kSub + kSub - 1) * kGcStride + tid];
       const unsigned m = __ballot_sync(0xffffffffu, fall > kSteep);
-      if (lane == 0) steep[s * kMaskWords + w] = m;
+      if (lane == 0) steep[s * kMaskWords + warp] = m;
     }
   }
   __syncthreads();
 
   // Khat and Kcheck, two adjacent key dims at a time.
-  for (int e = tid; e < kChunk * kDK / 2; e += kThreads) {
+  for (int e = tid; e < kChunk * kDK / 2; e += kOutThreads) {
     const int r = e / (kDK / 2), d = e % (kDK / 2) * 2, s = r / kSub;
     unsigned* kk = pair<QTile>(k_tile, r, d);
     const float k0 = unpack_lo<kBf16>(*kk), k1 = unpack_hi<kBf16>(*kk);
@@ -311,13 +316,14 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
   const FragAddr<QTile> frag_nk = FragAddr<QTile>::b_nk();
   const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
   auto none = [](int) { return false; };
+  const int col0 = half * kOutCols;
 
 #pragma unroll
   for (int kk = 0; kk < kDK; kk += 16) {
     unsigned a[1][4];
     q_fragment(a[0], q_tile, gc, w, kk, nullptr, none);
     mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
-      ldmatrix_x4_trans(bf, frag_s(stt, kk, nn / 8));
+      ldmatrix_x4_trans(bf, frag_s(stt, kk, (col0 + nn) / 8));
     });
   }
 #pragma unroll
@@ -325,14 +331,17 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[0][j][e] *= scale;
 
-  // Key block J: q against Khat_J, exponents taken against J's last row.
+  // Key block J, this warp's half of the key dims: q against Khat_J (exponents against J's last
+  // row) or, on the diagonal, against Kcheck (exponents against the block's first row).
+  constexpr int kHalfDK = kDK / 2;
   auto block = [&](int J, unsigned key_tile, int ref_row, auto zero) {
 #pragma unroll
-    for (int kk = 0; kk < kDK; kk += 16) {
+    for (int kk = 0; kk < kHalfDK; kk += 16) {
+      const int k0 = half * kHalfDK + kk;
       unsigned a[4];
-      q_fragment(a, q_tile, gc, w, kk, gc + ref_row * kGcStride, zero);
+      q_fragment(a, q_tile, gc, w, k0, gc + ref_row * kGcStride, zero);
       unsigned bf[4];
-      ldmatrix_x4(bf, frag_nk(key_tile, J * kSub, kk / 8));
+      ldmatrix_x4(bf, frag_nk(key_tile, J * kSub, k0 / 8));
       mma_16816<kBf16>(att[0][2 * J], a, bf[0], bf[1]);
       mma_16816<kBf16>(att[0][2 * J + 1], a, bf[2], bf[3]);
     }
@@ -340,17 +349,25 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
 #pragma unroll
   for (int J = 0; J < 3; ++J)
     if (J < w) block(J, kht, J * kSub + kSub - 1, none);
-  // The diagonal block: q against Kcheck, exponents against the block's first row; steep dims
-  // zeroed there and added here exactly (k from global memory: the tile holds Kcheck).
+  // The diagonal block: steep dims zeroed in the product and added here exactly, by the warp whose
+  // half holds them (k from global memory: the tile holds Kcheck).
   unsigned mask[kMaskWords];
 #pragma unroll
   for (int i = 0; i < kMaskWords; ++i) mask[i] = steep[w * kMaskWords + i];
 #pragma unroll
   for (int J = 0; J < 4; ++J) {
     if (J != w) continue;
-    block(J, kt, J * kSub, [&](int d) { return (mask[d / 32] >> (d % 32) & 1) != 0; });
+    // (The word by selects: d depends on the warp's half, and an indexed array would go to
+    // local memory.)
+    block(J, kt, J * kSub, [&](int d) {
+      unsigned m = mask[0];
+#pragma unroll
+      for (int i = 1; i < kMaskWords; ++i) m = d >= 32 * i ? mask[i] : m;
+      return (m >> (d % 32) & 1) != 0;
+    });
 #pragma unroll
     for (int word = 0; word < kMaskWords; ++word) {
+      if (word * 32 / kHalfDK != half) continue;
       for (unsigned bits = mask[word]; bits; bits &= bits - 1) {
         const int d = word * 32 + __ffs(bits) - 1;
 #pragma unroll
@@ -372,19 +389,50 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
       if (j > i) att[0][2 * J + (x & 3) / 2][(x >> 2) * 2 + (x & 1)] = 0.f;
     }
   }
+
+  // The two halves' partial sums, through gc's space (gc is no longer read): the second half
+  // writes, the first adds and writes the sum back, the second reads it.
+  __syncthreads();
+  float* xchg = gc + (w * 32 + lane) * (kChunk / 8) * 4;
+  auto put = [&] {
 #pragma unroll
-  for (int J = 0; J < 4; ++J)
+    for (int c = 0; c < kChunk / 8; ++c)
+      *reinterpret_cast<float4*>(xchg + c * 4) =
+          make_float4(att[0][c][0], att[0][c][1], att[0][c][2], att[0][c][3]);
+  };
+  if (half == 1) put();
+  __syncthreads();
+  if (half == 0) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) att[0][2 * J][e] *= scale, att[0][2 * J + 1][e] *= scale;
+    for (int c = 0; c < kChunk / 8; ++c) {
+      const float4 v = *reinterpret_cast<const float4*>(xchg + c * 4);
+      att[0][c][0] += v.x, att[0][c][1] += v.y, att[0][c][2] += v.z, att[0][c][3] += v.w;
+    }
+    put();
+  }
+  __syncthreads();
+  if (half == 1) {
+#pragma unroll
+    for (int c = 0; c < kChunk / 8; ++c) {
+      const float4 v = *reinterpret_cast<const float4*>(xchg + c * 4);
+      att[0][c][0] = v.x, att[0][c][1] = v.y, att[0][c][2] = v.z, att[0][c][3] = v.w;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kChunk / 8; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) att[0][c][e] *= scale;
 }
 
-// The same with one gate per step: gc is a row vector (log2 units). Q's fragments serve Q S_n and
-// every Q K_J^T; the gates enter as factors of rows (the state's part) and of (i, j) (A).
+// One gate per step: gc is a row vector (log2 units). Q's fragments serve Q S_n and every
+// Q K_J^T; the gates enter as factors of rows (the state's part) and of (i, j) (A). Both warps
+// of a row block compute its A (16 x 64 x DK: cheap), each its half of the output columns.
 __device__ __forceinline__ void scalar_scores(const FlexcGlaParams& p, unsigned char* q_tile,
                                               unsigned char* k_tile, unsigned char* s_tile,
                                               const float* gc, float (&o)[1][kOutCols / 8][4],
                                               float (&att)[1][kChunk / 8][4]) {
-  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const int warp = threadIdx.x / 32, w = warp % 4, col0 = warp / 4 * kOutCols;
+  const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const unsigned qt = smem_addr(q_tile), kt = smem_addr(k_tile), stt = smem_addr(s_tile);
   const FragAddr<QTile> frag_a = FragAddr<QTile>::a(), frag_nk = FragAddr<QTile>::b_nk();
   const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
@@ -393,7 +441,7 @@ __device__ __forceinline__ void scalar_scores(const FlexcGlaParams& p, unsigned 
     unsigned a[1][4];
     ldmatrix_x4(a[0], frag_a(qt, w * 16, kk / 8));
     mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
-      ldmatrix_x4_trans(bf, frag_s(stt, kk, nn / 8));
+      ldmatrix_x4_trans(bf, frag_s(stt, kk, (col0 + nn) / 8));
     });
 #pragma unroll
     for (int J = 0; J < 4; ++J) {
@@ -424,7 +472,8 @@ __device__ __forceinline__ void scalar_scores(const FlexcGlaParams& p, unsigned 
 
 }  // namespace flexc_gla
 
-extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const FlexcGlaParams p) {
+extern "C" __global__ void __launch_bounds__(flexc_gla::kOutThreads, 1)
+    flexc_gla_output(const FlexcGlaParams p) {
   using namespace flexc_gla;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* q_tile = smem;
@@ -437,29 +486,28 @@ extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const Flex
   unsigned* steep = reinterpret_cast<unsigned*>(gc + kChunk * kGcStride);
   unsigned char* kh_tile = reinterpret_cast<unsigned char*>(steep) + 128;
 
-  constexpr int kSlices = kDV / kOutCols;
-  const int n = blockIdx.x / kSlices, dv0 = blockIdx.x % kSlices * kOutCols;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
+  const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (p.heads / p.k_heads);
   const int t0 = n * kChunk;
-  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const int tid = threadIdx.x, warp = tid / 32, w = warp % 4, col0 = warp / 4 * kOutCols;
+  const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const unsigned short* qp =
       static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
   const unsigned short* kp =
       static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
   const unsigned short* vp =
-      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + dv0;
+      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
   const unsigned short* sp = static_cast<const unsigned short*>(p.states) +
                              state_offset(p, b, h) * p.chunks +
-                             static_cast<long long>(n) * kDK * kDV + dv0;
-  TileCopy<QTile, kThreads>()(smem_addr(q_tile), qp, p.q_stride[2], t0, p.seq_len);
-  TileCopy<QTile, kThreads>()(smem_addr(k_tile), kp, p.k_stride[2], t0, p.seq_len);
-  TileCopy<VTile, kThreads>()(smem_addr(v_tile), vp, p.v_stride[2], t0, p.seq_len);
-  TileCopy<STile, kThreads>()(smem_addr(s_tile), sp, kDV, 0, kDK);
+                             static_cast<long long>(n) * kDK * kDV;
+  TileCopy<QTile, kOutThreads>()(smem_addr(q_tile), qp, p.q_stride[2], t0, p.seq_len);
+  TileCopy<QTile, kOutThreads>()(smem_addr(k_tile), kp, p.k_stride[2], t0, p.seq_len);
+  TileCopy<VTile, kOutThreads>()(smem_addr(v_tile), vp, p.v_stride[2], t0, p.seq_len);
+  TileCopy<STile, kOutThreads>()(smem_addr(s_tile), sp, kDV, 0, kDK);
   const float* gp =
       p.gcum + ((static_cast<long long>(b) * p.heads + h) * p.chunks * kChunk + t0) * kGcCols;
   constexpr int kGcPieces = kChunk * kGcCols / 4;  // 16 bytes each
 #pragma unroll
-  for (int i = tid; i < kGcPieces; i += kThreads) {
+  for (int i = tid; i < kGcPieces; i += kOutThreads) {
     if constexpr (kScalar) {
       cp_async_16(smem_addr(gc + i * 4), gp + i * 4, true);
     } else {
@@ -480,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const Flex
     per_dim_scores(p, q_tile, k_tile, kh_tile, s_tile, gc, steep, kp, t0, o, att);
   }
 
-  // o += A V over the key blocks up to the diagonal.
+  // o += A V over the key blocks up to the diagonal, this warp's output columns.
   const unsigned vt = smem_addr(v_tile);
   const FragAddr<VTile> frag_v = FragAddr<VTile>::b_kn();
 #pragma unroll
@@ -489,12 +537,12 @@ extern "C" __global__ void __launch_bounds__(128, 2) flexc_gla_output(const Flex
     unsigned a[1][4];
     c_to_a<kBf16>(att[0], J, a[0]);
     mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
-      ldmatrix_x4_trans(bf, frag_v(vt, J * kSub, nn / 8));
+      ldmatrix_x4_trans(bf, frag_v(vt, J * kSub, (col0 + nn) / 8));
     });
   }
 
   unsigned short* op =
-      static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] + dv0;
+      static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] + col0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int t = t0 + w * 16 + g + r * 8;

@@ -31,6 +31,7 @@ struct FlexcGlaParams {
   float scale;
 };
 
-// flexc_gla_states keeps this many chunks in flight (its shared memory: that many times two
-// 64 x 64 16-bit tiles and 64 floats).
-constexpr int kFlexcGlaStatesStages = 4;
+// flexc_gla_states keeps this many chunks in flight, for a state slice of 64 key dims x this many
+// value dims (its shared memory: per stage a 64 x 64 and a 64 x kFlexcGlaStateCols 16-bit tile
+// and 64 floats).
+constexpr int kFlexcGlaStatesStages = 4, kFlexcGlaStateCols = 32;

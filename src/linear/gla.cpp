@@ -41,17 +41,17 @@ jit::KernelSpec gla_spec(const GlaConfig& c) {
           c.arch};
 }
 
-size_t gla_output_smem(int dk, bool scalar_gate) {
-  // q, k: 64 x dk; v: 64 x 64 (the CTA's output columns); the chunk state dk x 64, all 16-bit;
-  // gc: 64 floats, or per key dim 64 x (dk + 8) floats, the steep-dim masks of the four diagonal
-  // blocks (in 128 bytes) and Khat (64 x dk, 16-bit).
-  const size_t tiles = size_t(2 * 64 * dk + 64 * 64 + dk * 64) * 2;
+size_t gla_output_smem(int dk, int dv, bool scalar_gate) {
+  // q, k: 64 x dk; v: 64 x dv; the chunk state dk x dv, all 16-bit; gc: 64 floats, or per key
+  // dim 64 x (dk + 8) floats, the steep-dim masks of the four diagonal blocks (in 128 bytes) and
+  // Khat (64 x dk, 16-bit).
+  const size_t tiles = size_t(2 * 64 * dk + 64 * dv + dk * dv) * 2;
   return tiles + (scalar_gate ? 64 * 4 : size_t(64 * (dk + 8)) * 4 + 128 + size_t(64 * dk) * 2);
 }
 
 size_t gla_states_smem() {
-  // Stages of Khat and V (64 x 64, 16-bit) and a 64-float decay slice.
-  return kFlexcGlaStatesStages * (2 * 64 * 64 * 2 + 64 * 4);
+  // Stages of Khat (64 x 64), V (64 x kFlexcGlaStateCols), 16-bit, and a 64-float decay slice.
+  return kFlexcGlaStatesStages * ((64 * 64 + 64 * kFlexcGlaStateCols) * 2 + 64 * 4);
 }
 
 const Variant& gla_variant() {
@@ -211,7 +211,7 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const jit::Kernel& prepare = kernel_for(q, s, gates, "flexc_gla_prepare", what);
   const jit::Kernel& states = kernel_for(q, s, gates, "flexc_gla_states", what);
   const jit::Kernel& output = kernel_for(q, s, gates, "flexc_gla_output", what);
-  const size_t smem = detail::gla_output_smem(int(s.DK), gates.scalar);
+  const size_t smem = detail::gla_output_smem(int(s.DK), int(s.DV), gates.scalar);
   if (smem > detail::device_limits().max_smem)
     throw Error(fmt::format("{}: head dims {} / {} need {} KiB of shared memory per block; this "
                             "GPU allows {} KiB",
@@ -235,11 +235,10 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   if (p.chunks > 0)
     prepare.launch(unsigned(p.chunks), unsigned(s.H), unsigned(s.B), unsigned(4 * s.DK), 0,
                    opts.stream, args);
-  states.launch(unsigned(s.DK / 64 * (s.DV / 64)), unsigned(s.H), unsigned(s.B), 128,
-                detail::gla_states_smem(), opts.stream, args);
+  states.launch(unsigned(s.DK / 64 * (s.DV / kFlexcGlaStateCols)), unsigned(s.H),
+                unsigned(s.B), 128, detail::gla_states_smem(), opts.stream, args);
   if (p.chunks > 0)
-    output.launch(unsigned(p.chunks * (s.DV / 64)), unsigned(s.H), unsigned(s.B), 128, smem,
-                  opts.stream, args);
+    output.launch(unsigned(p.chunks), unsigned(s.H), unsigned(s.B), 256, smem, opts.stream, args);
 }
 
 void linear_attention_step(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -26,7 +26,7 @@ struct GlaConfig {
 // flexc_gla_states and flexc_gla_step. Throws flexc::Error for a head dim or dtype it lacks.
 jit::KernelSpec gla_spec(const GlaConfig& c);
 // flexc_gla_output's and flexc_gla_states' dynamic shared memory.
-size_t gla_output_smem(int dk, bool scalar_gate);
+size_t gla_output_smem(int dk, int dv, bool scalar_gate);
 size_t gla_states_smem();
 // The JIT compiles every kernel for a variant; the linear kernels read none of it.
 const Variant& gla_variant();
