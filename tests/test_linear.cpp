@@ -267,6 +267,53 @@ TEST_CASE("linear reference: the chunkwise algorithm without rounding equals the
       }
 }
 
+TEST_CASE("linear reference: the gradients equal finite differences", "[linear]") {
+  for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::None}) {
+    LinearCase c;
+    c.B = 2, c.H = 4, c.Hk = 2, c.T = 11, c.DK = 3, c.DV = 2, c.gates = gates, c.initial = true;
+    c.fill();
+    for (float& x : c.g) x = std::min(x, -0.01f);  // stays <= 0 when perturbed
+    const std::vector<float> dout = normal(c.B * c.H * c.T * c.DV, DType::BF16);
+    const std::vector<float> dstate = normal(c.B * c.H * c.DK * c.DV, DType::BF16);
+    const LinearReferenceGradients grad =
+        reference_linear_attention_backward(c.reference(), dout, dstate);
+    auto loss = [&] {
+      const LinearReferenceResult r = reference_linear_attention(c.reference());
+      double l = 0;
+      for (size_t i = 0; i < dout.size(); ++i) l += r.gold_out[i] * dout[i];
+      for (size_t i = 0; i < dstate.size(); ++i) l += r.gold_state[i] * dstate[i];
+      return l;
+    };
+    // Central differences over every input element (float inputs: a step of 1e-3 keeps the
+    // rounding of the perturbed value far below the difference).
+    auto check = [&](const char* name, std::vector<float>& x, const std::vector<double>& dx) {
+      REQUIRE(dx.size() == x.size());
+      double worst = 0, size = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        const float x0 = x[i], h = 1e-3f;
+        x[i] = x0 + h;
+        const double up = loss();
+        x[i] = x0 - h;
+        const double down = loss();
+        x[i] = x0;
+        const double fd = (up - down) / (double(x0 + h) - double(x0 - h));
+        worst = std::max(worst, std::abs(fd - dx[i]));
+        size = std::max(size, std::abs(dx[i]));
+      }
+      INFO(name_of(gates) << " " << name << ": worst |fd - grad| " << worst << ", max |grad| "
+                          << size);
+      CHECK(size > 0);
+      CHECK(worst < 2e-4 * std::max(1.0, size));
+    };
+    check("dq", c.q, grad.dq);
+    check("dk", c.k, grad.dk);
+    check("dv", c.v, grad.dv);
+    check("dh0", c.h0, grad.dh0);
+    if (gates != Gates::None) check("dg", c.g, grad.dg);
+    CHECK(grad.dg.size() == c.g.size());
+  }
+}
+
 TEST_CASE("linear reference: sizes and positive gates are errors", "[linear]") {
   LinearCase c;
   c.fill();

@@ -83,6 +83,18 @@ struct LinearReferenceResult {
 // Throws flexc::Error for inconsistent sizes or a positive / NaN gate. Multi-threaded.
 LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p);
 
+// The backward's oracle: float64 gradients of sum(out * dout) + sum(final_state * dstate)
+// through the recurrence (gold only). dout [B, H, T, DV]; dstate [B, H, DK, DV] or empty.
+struct LinearReferenceGradients {
+  std::vector<double> dq, dk, dv;  // q's, k's, v's shapes (k and v summed over the heads sharing them)
+  std::vector<double> dg;          // g's shape; empty without gates
+  std::vector<double> dh0;         // [B, H, DK, DV]: the initial state's (zeros when it is unset)
+};
+// Throws flexc::Error for inconsistent sizes or a positive / NaN gate. Multi-threaded.
+LinearReferenceGradients reference_linear_attention_backward(const LinearReferenceProblem& p,
+                                                             std::span<const float> dout,
+                                                             std::span<const float> dstate);
+
 struct LinearAccuracy {
   double out_rmse = 0, out_ref_rmse = 0;      // rmse(kernel, gold), rmse(ref, gold)
   double state_rmse = 0, state_ref_rmse = 0;

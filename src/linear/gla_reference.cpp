@@ -156,12 +156,9 @@ double rmse(const std::vector<double>& gold, const std::vector<double>& x) {
   return gold.empty() ? 0 : std::sqrt(e / double(gold.size()));
 }
 
-}  // namespace
-
-LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p) {
-  const auto fail = [](const std::string& m) {
-    throw Error("flexc::reference_linear_attention: " + m);
-  };
+// Sizes and gates; returns the scale.
+double check_problem(const LinearReferenceProblem& p, const char* what) {
+  const auto fail = [&](const std::string& m) { throw Error(fmt::format("{}: {}", what, m)); };
   if (p.batch < 0 || p.heads < 1 || p.k_heads < 1 || p.heads % p.k_heads != 0 || p.seq_len < 0 ||
       p.dk < 1 || p.dv < 1)
     fail(fmt::format("bad sizes: B {}, H {}, Hk {}, T {}, DK {}, DV {}", p.batch, p.heads,
@@ -179,10 +176,69 @@ LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p
   for (size_t i = 0; i < p.g.size(); ++i)
     if (!(p.g[i] <= 0))
       fail(fmt::format("g[{}] = {} (flat index): log gates must be <= 0", i, p.g[i]));
-  const double scale = p.scale.value_or(1.0 / std::sqrt(double(p.dk)));
+  return p.scale.value_or(1.0 / std::sqrt(double(p.dk)));
+}
 
+// The gradients of one group of heads sharing k and v (their dk, dv are summed).
+void backward_group(const LinearReferenceProblem& p, double scale, int64_t b, int64_t hk,
+                    std::span<const float> dout, std::span<const float> dstate,
+                    LinearReferenceGradients& r) {
+  const int64_t DK = p.dk, DV = p.dv, T = p.seq_len, group = p.heads / p.k_heads;
+  std::vector<double> S(size_t((T + 1) * DK * DV)), dS(size_t(DK * DV));
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    const Head x{p, b, h, scale};
+    const int64_t bh = b * p.heads + h, krow = (b * p.k_heads + hk) * T;
+    // Forward, keeping every state: S[t] is the state after t tokens.
+    for (int64_t d = 0; d < DK; ++d)
+      for (int64_t e = 0; e < DV; ++e) S[d * DV + e] = x.h0(d, e);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < DK; ++d) {
+        const double a = std::exp(x.g(t, d)), kd = x.k(t, d);
+        const double* prev = &S[(t * DK + d) * DV];
+        double* next = &S[((t + 1) * DK + d) * DV];
+        for (int64_t e = 0; e < DV; ++e) next[e] = a * prev[e] + kd * x.v(t, e);
+      }
+    for (int64_t i = 0; i < DK * DV; ++i) dS[i] = dstate.empty() ? 0 : dstate[bh * DK * DV + i];
+    for (int64_t t = T - 1; t >= 0; --t) {
+      const double* st = &S[(t + 1) * DK * DV];
+      const double* prev = &S[t * DK * DV];
+      const float* dot = &dout[(bh * T + t) * DV];
+      // o_t = scale q_t S_t: into dq_t and dS_t.
+      for (int64_t d = 0; d < DK; ++d) {
+        double dq = 0;
+        for (int64_t e = 0; e < DV; ++e) {
+          dq += dot[e] * st[d * DV + e];
+          dS[d * DV + e] += scale * x.q(t, d) * dot[e];
+        }
+        r.dq[(bh * T + t) * DK + d] = scale * dq;
+      }
+      // S_t = diag(a_t) S_{t-1} + k_t^T v_t.
+      for (int64_t d = 0; d < DK; ++d) {
+        const double a = std::exp(x.g(t, d));
+        double dk = 0, da = 0;
+        for (int64_t e = 0; e < DV; ++e) {
+          dk += dS[d * DV + e] * x.v(t, e);
+          da += dS[d * DV + e] * prev[d * DV + e];
+          r.dv[(krow + t) * DV + e] += x.k(t, d) * dS[d * DV + e];
+          dS[d * DV + e] *= a;
+        }
+        r.dk[(krow + t) * DK + d] += dk;
+        // d/dg exp(g) = exp(g); a gate clamped at -1e4 has no gradient.
+        if (p.g.empty()) continue;
+        const int64_t gi = p.per_dim_gates ? (bh * T + t) * DK + d : bh * T + t;
+        if (p.g[gi] > -1e4) r.dg[gi] += da * a;
+      }
+    }
+    std::copy(dS.begin(), dS.end(), r.dh0.begin() + bh * DK * DV);
+  }
+}
+
+}  // namespace
+
+LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p) {
+  const double scale = check_problem(p, "flexc::reference_linear_attention");
   LinearReferenceResult r;
-  const size_t out_n = size_t(rows * p.dv), state_n = size_t(p.batch * p.heads * p.dk * p.dv);
+  const size_t out_n = size_t(p.batch * p.heads * p.seq_len * p.dv), state_n = size_t(p.batch * p.heads * p.dk * p.dv);
   r.gold_out.resize(out_n), r.ref_out.resize(out_n);
   r.gold_state.resize(state_n), r.ref_state.resize(state_n);
   detail::parallel_chunks(p.batch * p.heads * 2, 1, [&](int64_t begin, int64_t end) {
@@ -193,6 +249,29 @@ LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p
       double* st = (i % 2 ? r.ref_state : r.gold_state).data() + bh * p.dk * p.dv;
       (i % 2 ? ref_head : gold_head)(x, out, st);
     }
+  });
+  return r;
+}
+
+LinearReferenceGradients reference_linear_attention_backward(const LinearReferenceProblem& p,
+                                                             std::span<const float> dout,
+                                                             std::span<const float> dstate) {
+  constexpr const char* what = "flexc::reference_linear_attention_backward";
+  const double scale = check_problem(p, what);
+  const int64_t rows = p.batch * p.heads * p.seq_len, krows = p.batch * p.k_heads * p.seq_len;
+  const int64_t states = p.batch * p.heads * p.dk * p.dv;
+  if (dout.size() != size_t(rows * p.dv) || (!dstate.empty() && dstate.size() != size_t(states)))
+    throw Error(fmt::format("{}: dout has {} elements ({} expected), dstate {} ({} or none)", what,
+                            dout.size(), rows * p.dv, dstate.size(), states));
+  LinearReferenceGradients r;
+  r.dq.assign(size_t(rows * p.dk), 0.0);
+  r.dk.assign(size_t(krows * p.dk), 0.0);
+  r.dv.assign(size_t(krows * p.dv), 0.0);
+  r.dg.assign(p.g.size(), 0.0);
+  r.dh0.assign(size_t(states), 0.0);
+  detail::parallel_chunks(p.batch * p.k_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      backward_group(p, scale, i / p.k_heads, i % p.k_heads, dout, dstate, r);
   });
   return r;
 }
