@@ -36,6 +36,8 @@ from ._flexc import (  # noqa: F401  (the public names)
     create_block_mask,
     decode,
     kernel_templates,
+    linear_attention,
+    linear_attention_step,
 )
 
 
@@ -83,6 +85,7 @@ def reference_attention(variant, q, k, v, captures=None, params=None, scale=None
 __all__ = [
     "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "ParamSpec", "Precision",
     "TileKind", "Variant", "attention", "attention_backward", "compile", "compose",
-    "create_block_mask", "decode", "kernel_templates", "reference_attention",
+    "create_block_mask", "decode", "kernel_templates", "linear_attention",
+    "linear_attention_step", "reference_attention",
 ]
 # flexc.torch (FlexAttention's API on torch tensors) is imported on its own: `import flexc.torch`.

@@ -484,3 +484,60 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     else:
         out, lse = _forward(query, key, value, caps, block_mask, vkey, scale, pvals, kernel)
     return (out, lse) if return_lse else out
+
+
+# ---- Gated linear attention (docs/linear.md)
+
+def _check_linear(what, q, k, v, **optional):
+    """Tensors on q's CUDA device (the raw views below carry pointers; the C++ checks the rest)."""
+    for name, t in (("q", q), ("k", k), ("v", v), *optional.items()):
+        if t is None and name in ("g", "initial_state"):
+            continue
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.device != q.device:
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise Error(f"{what}: {name} must be a torch tensor on q's CUDA device; got {where}")
+        if name in ("q", "k", "v") and t.dim() != 4:
+            raise Error(f"{what}: {name} must be 4-d [B, H, T, D]; got {tuple(t.shape)}")
+
+
+def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
+                     output_final_state=False, workspace=None):
+    """Gated linear attention (GLA) on CUDA tensors, chunkwise: returns (out, final_state).
+
+    q, k: [B, H, T, DK]; v: [B, H, T, DV] (k and v may have fewer heads, dividing H); bf16 or fp16,
+    any batch / head / token strides (a [B, T, H, D] tensor's .transpose(1, 2) is taken as is).
+    g: log gates (<= 0), [B, H, T, DK] per key dim (GLA), [B, H, T] per step (Mamba-2), any
+    strides (expand() broadcasts: a fixed per-head decay is g_h.view(1, H, 1).expand(B, H, T)),
+    float32 / bf16 / fp16; None: no gate. initial_state: float32 [B, H, DK, DV]. final_state is
+    float32 [B, H, DK, DV] when output_final_state, else None. Forward only: gradients are not
+    implemented yet, so inputs that require grad are refused."""
+    _check_linear("linear_attention", q, k, v, g=g, initial_state=initial_state)
+    tensors = [t for t in (q, k, v, g, initial_state) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise Error("flexc.torch.linear_attention: no backward yet; call it under "
+                    "torch.no_grad() or with inputs that do not require grad")
+    if initial_state is not None and not initial_state.is_contiguous():
+        initial_state = initial_state.contiguous()
+    out = _out_like(q, v.shape[-1])
+    final = None
+    if output_final_state:
+        final = torch.empty(q.shape[0], q.shape[1], q.shape[3], v.shape[3], dtype=torch.float32,
+                            device=q.device)
+    _flexc.linear_attention(_raw(q), _raw(k), _raw(v), _raw(out),
+                            g=None if g is None else _raw(g),
+                            initial_state=None if initial_state is None else _raw(initial_state),
+                            final_state=None if final is None else _raw(final), scale=scale,
+                            stream=_stream_of(q), workspace=workspace)
+    return out, final
+
+
+def linear_attention_step(q, k, v, state, g=None, *, scale=None):
+    """The recurrent form over q's T tokens (T = 1 when decoding): `state` (float32 [B, H, DK, DV],
+    contiguous) is updated in place; returns out [B, H, T, DV]. Shapes and gates as
+    linear_attention's."""
+    _check_linear("linear_attention_step", q, k, v, state=state, g=g)
+    out = _out_like(q, v.shape[-1])
+    _flexc.linear_attention_step(_raw(q), _raw(k), _raw(v), _raw(state), _raw(out),
+                                 g=None if g is None else _raw(g), scale=scale,
+                                 stream=_stream_of(q))
+    return out

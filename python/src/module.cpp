@@ -1,6 +1,7 @@
 // flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/): variants,
 // ahead-of-time compilation, BlockMasks built on the CPU, the float64 reference (host arrays:
-// numpy), and the kernels (attention, its backward, decode) on CUDA tensors from any DLPack
+// numpy), and the kernels (attention, its backward, decode, gated linear attention) on CUDA tensors
+// from any DLPack
 // producer. flexc::Error becomes flexc.Error (a ValueError) with flexc's message.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -17,6 +18,7 @@
 #include "flexc/decode.h"
 #include "flexc/error.h"
 #include "flexc/jit.h"
+#include "flexc/linear.h"
 #include "flexc/reference.h"
 #include "flexc/tensor.h"
 #include "flexc/variant.h"
@@ -462,4 +464,52 @@ PYBIND11_MODULE(_flexc, m) {
       "flexc::decode on CUDA tensors: a contiguous [B, Hkv, CAP, D] or paged [PAGES, Hkv, "
       "PAGE_SIZE, D] cache with int32 kv_lens [B] (page_table [B, MAX_PAGES], q_offsets [B]) "
       "(docs/decode.md).");
+
+  m.def(
+      "linear_attention",
+      [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle g,
+         py::handle initial_state, py::handle final_state, std::optional<double> scale,
+         std::optional<int64_t> stream, const py::object& workspace) {
+        const Stream st(stream);
+        Borrowed b;
+        const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
+        const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
+                         to = view(out, "out");
+        LinearOptions o;
+        if (!g.is_none()) o.g = view(g, "g");
+        if (!initial_state.is_none()) o.initial_state = view(initial_state, "initial_state");
+        if (!final_state.is_none()) o.final_state = view(final_state, "final_state");
+        o.scale = scale;
+        o.stream = st.cuda;
+        o.workspace = workspace_from(workspace);
+        py::gil_scoped_release release;
+        flexc::linear_attention(tq, tk, tv, to, o);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::kw_only(),
+      py::arg("g") = py::none(), py::arg("initial_state") = py::none(),
+      py::arg("final_state") = py::none(), py::arg("scale") = py::none(),
+      py::arg("stream") = py::none(), py::arg("workspace") = py::none(),
+      "flexc::linear_attention on CUDA tensors: gated linear attention, chunkwise; g [B, H, T, "
+      "DK] or [B, H, T] log gates (docs/linear.md).");
+
+  m.def(
+      "linear_attention_step",
+      [](py::handle q, py::handle k, py::handle v, py::handle state, py::handle out,
+         py::handle g, std::optional<double> scale, std::optional<int64_t> stream) {
+        const Stream st(stream);
+        Borrowed b;
+        const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
+        const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
+                         ts = view(state, "state"), to = view(out, "out");
+        LinearOptions o;
+        if (!g.is_none()) o.g = view(g, "g");
+        o.scale = scale;
+        o.stream = st.cuda;
+        py::gil_scoped_release release;
+        flexc::linear_attention_step(tq, tk, tv, ts, to, o);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("state"), py::arg("out"), py::kw_only(),
+      py::arg("g") = py::none(), py::arg("scale") = py::none(), py::arg("stream") = py::none(),
+      "flexc::linear_attention_step on CUDA tensors: the recurrence over q's T tokens, the "
+      "float32 state [B, H, DK, DV] updated in place (docs/linear.md).");
 }

@@ -137,3 +137,12 @@ def test_reference_matches_numpy():
     out, lse = flexc.reference_attention(none, q, k, v)
     assert np.all(out[:, :, 0] == 0) and np.all(lse[:, :, 0] == -np.inf)
     assert np.isfinite(lse[:, :, 1:]).all()
+
+
+def test_linear_attention_takes_cuda_tensors_only():
+    x = np.zeros((1, 2, 8, 64), dtype=np.float16)
+    state = np.zeros((1, 2, 64, 64), dtype=np.float32)
+    with pytest.raises(flexc.Error, match="q is in cpu memory; flexc's kernels take CUDA"):
+        flexc.linear_attention(x, x, x, x, g=np.zeros((1, 2, 8), dtype=np.float32))
+    with pytest.raises(flexc.Error, match="q is in cpu memory"):
+        flexc.linear_attention_step(x, x, x, state, x)
