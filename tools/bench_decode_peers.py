@@ -34,13 +34,6 @@ def time_ms(fn, reps):
     return bench_peers.time_ms(fn, reps, inner=10, warmup=5)
 
 
-def copy_gbs(reps):
-    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), reps)
-    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
-
-
 def mods(r, device):
     """The case's score_mod and mask_mod for Flex, with the queries at the sequence's end."""
     v, kv, q_len = r["variant"], r["kv"], r["q_len"]
@@ -105,7 +98,7 @@ def main():
     torch._dynamo.config.recompile_limit = 256
     flex = torch.compile(flex_attention, dynamic=False)
     rows = run_flexc(args.flexc)
-    copy = copy_gbs(args.reps)
+    copy = bench_peers.copy_gbs(args.reps, inner=10, warmup=5)
     print(f"# device-to-device copy: {copy:.0f} GB/s (read + write)")
     peers = {}  # (variant, b, kv, q_len) -> {label: GB/s}
     paged = {}  # (variant, b, kv, q_len, page) -> GB/s of Flex's paged attention

@@ -63,13 +63,6 @@ def sdpa_causal(r, backend, reps):
         return None
 
 
-def copy_gbs(reps):
-    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), reps)
-    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
-
-
 def fmt(x, digits=4):
     return "" if x is None else f"{x:.{digits}f}"
 
@@ -98,7 +91,7 @@ def main():
         print(f"| {r['case']} | {fmt(r['ms'])} | {r['gbs']:.0f} | {fmt(fla)} | {ratio(fla, r['ms'])} |"
               f" {fmt(fa2)} | {ratio(fa2, r['ms'])} | {fmt(cudnn)} | {ratio(cudnn, r['ms'])} |",
               flush=True)
-    print(f"# device copy: {copy_gbs(args.reps):.0f} GB/s (read + write)")
+    print(f"# device copy: {bench_peers.copy_gbs(args.reps, inner=5):.0f} GB/s (read + write)")
 
 
 if __name__ == "__main__":

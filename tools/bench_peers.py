@@ -136,6 +136,15 @@ def time_ms(fn, reps, inner=1, warmup=3):
     return times[len(times) // 2]
 
 
+def copy_gbs(reps, **timing):
+    """Read + write bandwidth of a 2 GiB device-to-device copy (GB/s): what a kernel that reads
+    its data once and writes it once can reach. `timing`: time_ms's inner / warmup."""
+    x = torch.empty(1 << 30, dtype=torch.int16, device="cuda")
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), reps, **timing)
+    return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
+
+
 def cases(backward, gallery, head_dims=False):
     if head_dims:
         for d in (96, 192, 256):
