@@ -67,6 +67,9 @@ struct FragAddr {
     const int lane = threadIdx.x & 31;
     return FragAddr((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
   }
+  // The A fragment of rows [16 c0/2, +16) x k [row0, row0 + 16) of M^T from a row-major
+  // [k][m] tile M, for ldmatrix .trans (dA^T Q from a stored dA): the lanes point where b_nk's do.
+  __device__ __forceinline__ static FragAddr a_km() { return b_nk(); }
   // B fragments of two n8 tiles from a [k][n] tile (V for P.V), for ldmatrix .trans: regs 0-1
   // n-tile c0, regs 2-3 n-tile c0 + 1 (in chunks of 8 columns).
   __device__ __forceinline__ static FragAddr b_kn() {

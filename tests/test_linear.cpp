@@ -186,6 +186,64 @@ LinearAccuracy run_chunked(LinearCase& c) {
   return check_linear_accuracy(r, d.output(c), d.final_state(c));
 }
 
+// worst = max(worst, max |x - gold|), size = max(size, max |gold|).
+void max_abs(const std::vector<double>& gold, const std::vector<double>& x, double& worst,
+             double& size) {
+  for (size_t i = 0; i < gold.size(); ++i) {
+    worst = std::max(worst, std::abs(x[i] - gold[i]));
+    size = std::max(size, std::abs(gold[i]));
+  }
+}
+
+// The backward on the device against the reference's gradients; dout (and, with `dstate`, the
+// final state's gradient) drawn fresh, every output poisoned.
+BackwardAccuracy run_backward(LinearCase& c, bool dstate) {
+  c.fill();
+  DeviceCase d(c);
+  const std::vector<float> dout = normal(c.B * c.H * c.T * c.DV, c.dtype);
+  const std::vector<float> dht = dstate ? normal(c.B * c.H * c.DK * c.DV, DType::F32) : std::vector<float>{};
+  DeviceBuffer ddout = DeviceBuffer::from<uint16_t>(bits16(c.dtype, dout));
+  DeviceBuffer ddht = dstate ? DeviceBuffer::from<float>(dht) : DeviceBuffer(16);
+  auto poisoned = [](int64_t bytes) {
+    DeviceBuffer b(std::max<int64_t>(bytes, 16));
+    b.fill(0xff);
+    return b;
+  };
+  const int64_t s16 = dtype_size(c.dtype);
+  DeviceBuffer dq = poisoned(c.B * c.H * c.T * c.DK * s16), dk = poisoned(c.B * c.Hk * c.T * c.DK * s16),
+               dv = poisoned(c.B * c.Hk * c.T * c.DV * s16), dh0 = poisoned(c.B * c.H * c.DK * c.DV * 4);
+  // dg in g's type: float32 per key dim and per head (that one [B, H, T], its own memory), q's
+  // type per step.
+  const DType gate_type = c.gates == Gates::PerStep ? c.dtype : DType::F32;
+  DeviceBuffer dg = poisoned(int64_t(c.g.size()) * dtype_size(gate_type));
+  LinearGradients grads{TensorView::contiguous(dq.get(), c.dtype, {c.B, c.H, c.T, c.DK}),
+                        TensorView::contiguous(dk.get(), c.dtype, {c.B, c.Hk, c.T, c.DK}),
+                        TensorView::contiguous(dv.get(), c.dtype, {c.B, c.Hk, c.T, c.DV}),
+                        {}, {}};
+  if (d.tg) grads.dg = TensorView::contiguous(dg.get(), gate_type, d.tg->shape);
+  if (c.initial)
+    grads.d_initial_state = TensorView::contiguous(dh0.get(), DType::F32, {c.B, c.H, c.DK, c.DV});
+  LinearBackwardOptions o;
+  o.g = d.tg, o.initial_state = d.th0;
+  if (dstate) o.d_final_state = TensorView::contiguous(ddht.get(), DType::F32, {c.B, c.H, c.DK, c.DV});
+  linear_attention_backward(d.tq, d.tk, d.tv,
+                            TensorView::contiguous(ddout.get(), c.dtype, {c.B, c.H, c.T, c.DV}),
+                            grads, o);
+  synchronize_device();
+  LinearReferenceProblem p = c.reference();
+  p.gate_dtype = gate_type;
+  const LinearReferenceGradients r = reference_linear_attention_backward(p, dout, dht);
+  const auto down16 = [&](const DeviceBuffer& b, size_t n) {
+    return floats16(c.dtype, b.to_vector<uint16_t>(n));
+  };
+  std::vector<float> g;
+  if (grads.dg)
+    g = gate_type == DType::F32 ? dg.to_vector<float>(c.g.size()) : down16(dg, c.g.size());
+  return check_linear_gradients(
+      r, down16(dq, r.gold.dq.size()), down16(dk, r.gold.dk.size()), down16(dv, r.gold.dv.size()), g,
+      c.initial ? dh0.to_vector<float>(r.gold.dh0.size()) : std::vector<float>{});
+}
+
 }  // namespace
 
 // ---- the reference
@@ -244,13 +302,9 @@ TEST_CASE("linear reference: the chunkwise algorithm without rounding equals the
         LinearReferenceProblem p = c.reference();
         p.exact_ref = true;
         const LinearReferenceResult r = reference_linear_attention(p);
-        double worst = 0, size = 0;
-        for (size_t i = 0; i < r.gold_out.size(); ++i) {
-          worst = std::max(worst, std::abs(r.ref_out[i] - r.gold_out[i]));
-          size = std::max(size, std::abs(r.gold_out[i]));
-        }
-        for (size_t i = 0; i < r.gold_state.size(); ++i)
-          worst = std::max(worst, std::abs(r.ref_state[i] - r.gold_state[i]));
+        double worst = 0, size = 0, state_size = 0;
+        max_abs(r.gold_out, r.ref_out, worst, size);
+        max_abs(r.gold_state, r.ref_state, worst, state_size);
         INFO(c.describe());
         CHECK(size > 0.1);
         CHECK(worst < 1e-9 * std::max(1.0, size));
@@ -305,13 +359,58 @@ TEST_CASE("linear reference: the gradients equal finite differences", "[linear]"
       CHECK(size > 0);
       CHECK(worst < 2e-4 * std::max(1.0, size));
     };
-    check("dq", c.q, grad.dq);
-    check("dk", c.k, grad.dk);
-    check("dv", c.v, grad.dv);
-    check("dh0", c.h0, grad.dh0);
-    if (gates != Gates::None) check("dg", c.g, grad.dg);
-    CHECK(grad.dg.size() == c.g.size());
+    check("dq", c.q, grad.gold.dq);
+    check("dk", c.k, grad.gold.dk);
+    check("dv", c.v, grad.gold.dv);
+    check("dh0", c.h0, grad.gold.dh0);
+    if (gates != Gates::None) check("dg", c.g, grad.gold.dg);
+    CHECK(grad.gold.dg.size() == c.g.size());
   }
+}
+
+TEST_CASE("linear reference: the chunkwise backward without rounding equals the recurrence's",
+          "[linear]") {
+  for (Strength s : {Strength::Typical, Strength::Strong, Strength::Weak})
+    for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None})
+      for (DType dt : {DType::BF16, DType::F16}) {
+        LinearCase c;
+        c.dtype = dt, c.T = 150, c.DK = 16, c.DV = 8, c.H = 4, c.Hk = 2, c.gates = gates;
+        c.strength = s, c.initial = true;
+        c.fill();
+        if (gates == Gates::PerDim) c.g[5] = -2e4f;  // clamped: no gradient
+        const std::vector<float> dout = normal(c.B * c.H * c.T * c.DV, dt);
+        const std::vector<float> dstate = normal(c.B * c.H * c.DK * c.DV, DType::F32);
+        LinearReferenceProblem p = c.reference();
+        p.exact_ref = true;
+        const LinearReferenceGradients r = reference_linear_attention_backward(p, dout, dstate);
+        INFO(c.describe());
+        auto same = [&](const char* name, const std::vector<double>& gold,
+                        const std::vector<double>& ref) {
+          REQUIRE(gold.size() == ref.size());
+          double worst = 0, size = 0;
+          max_abs(gold, ref, worst, size);
+          INFO(name << ": worst " << worst << ", max |gold| " << size);
+          CHECK(size > 0);
+          CHECK(worst < 1e-9 * std::max(1.0, size));
+        };
+        same("dq", r.gold.dq, r.ref.dq);
+        same("dk", r.gold.dk, r.ref.dk);
+        same("dv", r.gold.dv, r.ref.dv);
+        same("dh0", r.gold.dh0, r.ref.dh0);
+        if (gates != Gates::None) same("dg", r.gold.dg, r.ref.dg);
+        if (gates == Gates::PerDim) CHECK(r.ref.dg[5] == 0);
+        // Rounded, the reference passes its own rule, and its error is the input type's.
+        p.exact_ref = false;
+        const LinearReferenceGradients rr = reference_linear_attention_backward(p, dout, dstate);
+        const auto f = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
+        const BackwardAccuracy a = check_linear_gradients(
+            rr, f(rr.ref.dq), f(rr.ref.dk), f(rr.ref.dv), f(rr.ref.dg), f(rr.ref.dh0));
+        INFO(a.summary());
+        CHECK(a.pass);
+        // (dh0 can be exact: without gates and with scale 1/4 nothing it sums is rounded.)
+        for (const GradientAccuracy& g : a.grads)
+          if (g.name != "dh0") CHECK(g.ref_rmse > 0);
+      }
 }
 
 TEST_CASE("linear reference: sizes and positive gates are errors", "[linear]") {
@@ -372,6 +471,43 @@ TEST_CASE("linear attention arguments are checked and named before any GPU work"
   o2.initial_state = state;
   CHECK_THROWS_WITH(linear_attention_step(q, k, v, state, out, o2),
                     Contains("initial_state and final_state must be unset"));
+
+  // The backward: its gradients' shapes, dg exactly with g, outputs apart from the inputs.
+  alignas(256) static unsigned char grad_mem[1 << 17];
+  auto g16 = [&](size_t at, std::vector<int64_t> shape) {
+    return TensorView::contiguous(grad_mem + at, DType::BF16, std::move(shape));
+  };
+  LinearGradients grads{g16(0, {2, 4, 10, 64}), g16(16384, {2, 2, 10, 64}),
+                        g16(32768, {2, 2, 10, 128}), {}, {}};
+  auto bwd = [&](const LinearGradients& gr, const LinearBackwardOptions& bo) {
+    try {
+      linear_attention_backward(q, k, v, out, gr, bo);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(bwd(grads, {}), Contains("flexc::linear_attention_backward"));
+  LinearGradients bad = grads;
+  bad.dk = g16(16384, {2, 2, 10, 128});
+  CHECK_THAT(bwd(bad, {}), Contains("dk must have the shape of k"));
+  bad = grads;
+  bad.dv = g16(0, {2, 2, 10, 128});
+  CHECK_THAT(bwd(bad, {}), Contains("dv overlaps dq"));
+  bad = grads;
+  bad.dq = q;
+  CHECK_THAT(bwd(bad, {}), Contains("dq overlaps q"));
+  LinearBackwardOptions bo;
+  bo.g = TensorView::contiguous(mem, DType::F32, {2, 4, 10});
+  CHECK_THAT(bwd(grads, bo), Contains("grads.dg must be set exactly when opts.g is"));
+  bad = grads;
+  bad.dg = TensorView::contiguous(grad_mem + 65536, DType::F32, {2, 4, 10, 64});
+  CHECK_THAT(bwd(bad, bo), Contains("dg must have g's shape"));
+  bad.dg = TensorView{grad_mem + 65536, DType::F32, {2, 4, 10}, {0, 1, 0}};
+  CHECK_THAT(bwd(bad, bo), Contains("dg has elements that share memory"));
+  bo.g.reset();
+  bo.d_final_state = TensorView::contiguous(mem, DType::F32, {2, 4, 64, 64});
+  CHECK_THAT(bwd(grads, bo), Contains("d_final_state must be contiguous float32"));
 }
 
 TEST_CASE("the linear attention kernels build for sm_80 and sm_90", "[linear][jit]") {
@@ -384,13 +520,25 @@ TEST_CASE("the linear attention kernels build for sm_80 and sm_90", "[linear][ji
     specs.push_back(detail::gla_spec({arch, DType::F16, 64, 64, GateType::F16, true}));
     specs.push_back(detail::gla_spec({arch, DType::F16, 64, 128, GateType::F16}));
     specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 64, GateType::F32}));
+    // The backward's compile: every gate kind and head-dim pair once.
+    specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 128, GateType::F32, false, true}));
+    specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 128, GateType::BF16, true, true}));
+    specs.push_back(detail::gla_spec({arch, DType::F16, 64, 64, GateType::None, true, true}));
+    specs.push_back(detail::gla_spec({arch, DType::F16, 64, 128, GateType::F16, false, true}));
+    specs.push_back(detail::gla_spec({arch, DType::BF16, 128, 64, GateType::F32, false, true}));
   }
   const std::vector<jit::Compiled> out = jit::compile_all(detail::gla_variant(), specs);
   for (size_t i = 0; i < out.size(); ++i) {
-    INFO(specs[i].arch << " " << specs[i].defines[0].second << " " << specs[i].defines[1].second);
+    INFO(specs[i].arch << " " << specs[i].template_name << " " << specs[i].defines[0].second << " "
+                       << specs[i].defines[1].second);
     CHECK(out[i].cubin.size() > 0);
+    const bool backward = specs[i].template_name == "gla_backward.cuh";
     for (const char* entry :
-         {"flexc_gla_prepare", "flexc_gla_states", "flexc_gla_output", "flexc_gla_step"})
+         backward ? std::vector<const char*>{"flexc_gla_prepare", "flexc_gla_states",
+                                             "flexc_gla_dstates", "flexc_gla_backward",
+                                             "flexc_gla_dg_scan", "flexc_gla_dg", "flexc_gla_reduce"}
+                  : std::vector<const char*>{"flexc_gla_prepare", "flexc_gla_states",
+                                             "flexc_gla_output", "flexc_gla_step"})
       CHECK(out[i].ptx.find(fmt::format(".entry {}", entry)) != std::string::npos);
     // No local memory (spills would show as local loads).
     CHECK(out[i].ptx.find("ld.local") == std::string::npos);
@@ -521,4 +669,44 @@ TEST_CASE("the recurrent step equals the reference token by token, from a chunkw
         INFO(c.describe() << ": " << a.summary());
         CHECK(a.pass);
       }
+}
+
+TEST_CASE("linear attention backward matches the float64 reference: gates, dtypes, head dims, "
+          "lengths", "[linear][gpu]") {
+  SKIP_WITHOUT_GPU();
+  const int64_t lengths[] = {1, 63, 64, 65, 1000};
+  int i = 0;
+  for (DType dt : {DType::BF16, DType::F16})
+    for (auto [dk, dv] : {std::pair{64, 64}, {128, 128}, {128, 64}})
+      for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None}) {
+        LinearCase c;
+        c.dtype = dt, c.DK = dk, c.DV = dv, c.gates = gates;
+        c.T = lengths[i % 5];
+        c.B = 1 + i % 2, c.H = 2, c.Hk = i % 3 == 0 ? 1 : 2;  // GQA every third case
+        c.initial = i % 2 == 0;
+        const bool dstate = i % 4 != 1;
+        ++i;
+        const BackwardAccuracy a = run_backward(c, dstate);
+        INFO(c.describe() << (dstate ? ", final state's gradient" : "") << ": " << a.summary());
+        CHECK(a.pass);
+      }
+}
+
+TEST_CASE("linear attention backward: strong and weak gates, lengths around a chunk, 4096",
+          "[linear][gpu]") {
+  SKIP_WITHOUT_GPU();
+  for (Strength s : {Strength::Strong, Strength::Weak})
+    for (Gates gates : {Gates::PerDim, Gates::PerStep})
+      for (int64_t T : {17, 64, 129}) {
+        LinearCase c;
+        c.DK = c.DV = 128, c.T = T, c.gates = gates, c.strength = s, c.initial = true;
+        const BackwardAccuracy a = run_backward(c, true);
+        INFO(c.describe() << ": " << a.summary());
+        CHECK(a.pass);
+      }
+  LinearCase c;
+  c.DK = c.DV = 128, c.T = 4096, c.H = 2, c.Hk = 1, c.gates = Gates::PerDim, c.initial = true;
+  const BackwardAccuracy a = run_backward(c, true);
+  INFO(c.describe() << ": " << a.summary());
+  CHECK(a.pass);
 }

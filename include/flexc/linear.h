@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "flexc/reference.h"
 #include "flexc/tensor.h"
 
 struct CUstream_st;
@@ -48,6 +49,36 @@ struct LinearOptions {
 void linear_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const LinearOptions& opts = {});
 
+// The chunkwise backward of linear_attention: the gradients of a loss L(out, final_state) given
+// dout = dL/dout and (optionally) d_final_state = dL/dfinal_state. It recomputes the chunk
+// states from q, k, v, g and initial_state (nothing is kept from the forward) and writes
+// grads.dq, dk, dv (q's, k's, v's shapes and dtype; with Hk < H, k's and v's gradients are
+// summed over the heads sharing them), grads.dg (g's shape, float32 / bf16 / fp16: required
+// exactly when opts.g is set; a gate clamped at -1e4 gets 0) and grads.d_initial_state (float32
+// [B, H, DK, DV], optional). Every gradient is written, none accumulated into. Each output has
+// its own memory (strides any, non-overlapping), distinct from the inputs.
+struct LinearBackwardOptions {
+  std::optional<TensorView> g;              // as in LinearOptions
+  std::optional<TensorView> initial_state;  // as in LinearOptions
+  std::optional<TensorView> d_final_state;  // float32 [B, H, DK, DV], contiguous; unset: zeros
+  std::optional<double> scale;              // default 1 / sqrt(DK)
+  CUstream_st* stream = nullptr;
+  // The temporaries: linear_attention's, the chunks' state gradients (DK x DV, q's type), q
+  // scaled by its gates (64 x DK per chunk, q's type), and float32 per-token gate gradients
+  // (64 x DK per chunk); with Hk < H also float32 dk and dv per q head.
+  WorkspaceAllocator workspace;
+};
+
+struct LinearGradients {
+  TensorView dq, dk, dv;
+  std::optional<TensorView> dg;               // required when the forward had gates
+  std::optional<TensorView> d_initial_state;  // float32 [B, H, DK, DV], contiguous; optional
+};
+
+void linear_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& dout, const LinearGradients& grads,
+                               const LinearBackwardOptions& opts = {});
+
 // The recurrent form over T tokens (T = 1 when decoding): `state` (float32 [B, H, DK, DV],
 // contiguous) is updated in place, token after token, and out [B, H, T, DV] receives each o_t.
 // opts.initial_state and final_state must be unset; opts.g as above with this call's T.
@@ -71,6 +102,7 @@ struct LinearReferenceProblem {
   bool per_dim_gates = true;
   std::optional<double> scale;
   DType dtype = DType::BF16;  // where `ref` rounds
+  DType gate_dtype = DType::F32;  // the backward's `ref` rounds dg to it (g's type)
   // `ref` without its roundings: the chunkwise algorithm itself, for tests against `gold`.
   bool exact_ref = false;
 };
@@ -83,17 +115,31 @@ struct LinearReferenceResult {
 // Throws flexc::Error for inconsistent sizes or a positive / NaN gate. Multi-threaded.
 LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p);
 
-// The backward's oracle: float64 gradients of sum(out * dout) + sum(final_state * dstate)
-// through the recurrence (gold only). dout [B, H, T, DV]; dstate [B, H, DK, DV] or empty.
-struct LinearReferenceGradients {
+// The backward's oracle: the gradients of sum(out * dout) + sum(final_state * dstate). `gold`
+// differentiates the recurrence in float64; `ref` is linear_attention_backward's chunkwise
+// computation (templates/gla_backward.cuh) in float64, rounded where it rounds (its operands,
+// A and dA, the chunk states and state gradients to the input type, the gradients to their
+// types) unless exact_ref. dout [B, H, T, DV]; dstate [B, H, DK, DV] or empty.
+struct LinearGradientValues {
   std::vector<double> dq, dk, dv;  // q's, k's, v's shapes (k and v summed over the heads sharing them)
   std::vector<double> dg;          // g's shape; empty without gates
   std::vector<double> dh0;         // [B, H, DK, DV]: the initial state's (zeros when it is unset)
+};
+struct LinearReferenceGradients {
+  LinearGradientValues gold, ref;
 };
 // Throws flexc::Error for inconsistent sizes or a positive / NaN gate. Multi-threaded.
 LinearReferenceGradients reference_linear_attention_backward(const LinearReferenceProblem& p,
                                                              std::span<const float> dout,
                                                              std::span<const float> dstate);
+// The rule of attention's gradients (flexc/reference.h) for each of dq, dk, dv, dg (when the
+// reference has it) and dh0 (when `dh0` is not empty): rmse(kernel, gold) <= 1.5 rmse(ref,
+// gold) + 2^-16 rms(gold) + 1e-6, no non-finite value. The kernel's values contiguous, in the
+// reference's shapes.
+BackwardAccuracy check_linear_gradients(const LinearReferenceGradients& r,
+                                        std::span<const float> dq, std::span<const float> dk,
+                                        std::span<const float> dv, std::span<const float> dg,
+                                        std::span<const float> dh0);
 
 struct LinearAccuracy {
   double out_rmse = 0, out_ref_rmse = 0;      // rmse(kernel, gold), rmse(ref, gold)

@@ -37,6 +37,7 @@ from ._flexc import (  # noqa: F401  (the public names)
     decode,
     kernel_templates,
     linear_attention,
+    linear_attention_backward,
     linear_attention_step,
 )
 
@@ -86,6 +87,6 @@ __all__ = [
     "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "ParamSpec", "Precision",
     "TileKind", "Variant", "attention", "attention_backward", "compile", "compose",
     "create_block_mask", "decode", "kernel_templates", "linear_attention",
-    "linear_attention_step", "reference_attention",
+    "linear_attention_backward", "linear_attention_step", "reference_attention",
 ]
 # flexc.torch (FlexAttention's API on torch tensors) is imported on its own: `import flexc.torch`.

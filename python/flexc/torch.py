@@ -171,6 +171,10 @@ def _raw(t):
             t.get_device())
 
 
+def _raw_opt(t):
+    return None if t is None else _raw(t)
+
+
 # ---- BlockMask
 
 _MASKS: "weakref.WeakValueDictionary[int, BlockMask]" = weakref.WeakValueDictionary()
@@ -500,6 +504,61 @@ def _check_linear(what, q, k, v, **optional):
             raise Error(f"{what}: {name} must be 4-d [B, H, T, D]; got {tuple(t.shape)}")
 
 
+def _linear_forward(q, k, v, g, initial_state, scale, output_final_state, workspace):
+    out = _out_like(q, v.shape[-1])
+    final = None
+    if output_final_state:
+        final = torch.empty(q.shape[0], q.shape[1], q.shape[3], v.shape[3], dtype=torch.float32,
+                            device=q.device)
+    _flexc.linear_attention(_raw(q), _raw(k), _raw(v), _raw(out), g=_raw_opt(g),
+                            initial_state=_raw_opt(initial_state), final_state=_raw_opt(final),
+                            scale=scale, stream=_stream_of(q), workspace=workspace)
+    return out, final
+
+
+class _LinearAttention(torch.autograd.Function):
+    """Training: flexc's forward, then its backward, which recomputes the chunk states from the
+    inputs (so nothing but the inputs is saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, workspace):
+        ctx.set_materialize_grads(False)  # an output left out of the loss has no gradient to read
+        ctx.save_for_backward(q, k, v, g, initial_state)
+        ctx.scale, ctx.workspace = scale, workspace
+        return _linear_forward(q, k, v, g, initial_state, scale, output_final_state, workspace)
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        q, k, v, g, initial_state = ctx.saved_tensors
+        if dout is None:  # only the final state reaches the loss
+            dout = torch.zeros(*q.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+        elif dout.stride(-1) != 1 or dout.data_ptr() % 16 or any(s % 8 for s in dout.stride()[:3]):
+            dout = dout.contiguous()  # the kernels read 16-byte aligned rows (a sum's is expanded)
+        if dfinal is not None and not dfinal.is_contiguous():
+            dfinal = dfinal.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # dg is required with gates; in g's logical shape, which expand()'s backward then reduces.
+        dg = None if g is None else torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        dh0 = None
+        if initial_state is not None and ctx.needs_input_grad[4]:
+            dh0 = torch.empty_like(initial_state)
+        held = []
+
+        def cached(nbytes):  # torch's caching allocator, stream-ordered on the current stream
+            held.append(torch.empty(nbytes, dtype=torch.uint8, device=q.device))
+            return held[-1].data_ptr()
+
+        _flexc.linear_attention_backward(
+            _raw(q), _raw(k), _raw(v), _raw(dout), _raw(dq), _raw(dk), _raw(dv), g=_raw_opt(g),
+            dg=_raw_opt(dg), initial_state=_raw_opt(initial_state), d_initial_state=_raw_opt(dh0),
+            d_final_state=_raw_opt(dfinal), scale=ctx.scale, stream=_stream_of(q),
+            workspace=ctx.workspace or cached)
+        # The kernel writes dq, dk and dv whichever are wanted; autograd takes None for the rest.
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
+                dg if need[3] else None, dh0, None, None, None)
+
+
 def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
                      output_final_state=False, workspace=None):
     """Gated linear attention (GLA) on CUDA tensors, chunkwise: returns (out, final_state).
@@ -509,35 +568,31 @@ def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
     g: log gates (<= 0), [B, H, T, DK] per key dim (GLA), [B, H, T] per step (Mamba-2), any
     strides (expand() broadcasts: a fixed per-head decay is g_h.view(1, H, 1).expand(B, H, T)),
     float32 / bf16 / fp16; None: no gate. initial_state: float32 [B, H, DK, DV]. final_state is
-    float32 [B, H, DK, DV] when output_final_state, else None. Forward only: gradients are not
-    implemented yet, so inputs that require grad are refused."""
+    float32 [B, H, DK, DV] when output_final_state, else None.
+
+    Differentiable in q, k, v, g and initial_state (a loss of out, final_state or both): the
+    backward kernels recompute the chunk states from the inputs. workspace: a callable
+    (bytes -> device pointer kept valid on the stream) for the temporaries; None: flexc's pool
+    in the forward, torch's caching allocator in the backward."""
     _check_linear("linear_attention", q, k, v, g=g, initial_state=initial_state)
-    tensors = [t for t in (q, k, v, g, initial_state) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise Error("flexc.torch.linear_attention: no backward yet; call it under "
-                    "torch.no_grad() or with inputs that do not require grad")
     if initial_state is not None and not initial_state.is_contiguous():
         initial_state = initial_state.contiguous()
-    out = _out_like(q, v.shape[-1])
-    final = None
-    if output_final_state:
-        final = torch.empty(q.shape[0], q.shape[1], q.shape[3], v.shape[3], dtype=torch.float32,
-                            device=q.device)
-    _flexc.linear_attention(_raw(q), _raw(k), _raw(v), _raw(out),
-                            g=None if g is None else _raw(g),
-                            initial_state=None if initial_state is None else _raw(initial_state),
-                            final_state=None if final is None else _raw(final), scale=scale,
-                            stream=_stream_of(q), workspace=workspace)
-    return out, final
+    args = (q, k, v, g, initial_state, scale, output_final_state, workspace)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
+        return _LinearAttention.apply(*args)
+    return _linear_forward(*args)
 
 
 def linear_attention_step(q, k, v, state, g=None, *, scale=None):
     """The recurrent form over q's T tokens (T = 1 when decoding): `state` (float32 [B, H, DK, DV],
     contiguous) is updated in place; returns out [B, H, T, DV]. Shapes and gates as
-    linear_attention's."""
+    linear_attention's. Forward only: inputs that require grad are refused (outside no_grad)."""
     _check_linear("linear_attention_step", q, k, v, state=state, g=g)
+    tensors = (q, k, v, state, g)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise Error("flexc.torch.linear_attention_step has no backward (it is for decoding); call "
+                    "it under torch.no_grad(), or train with linear_attention")
     out = _out_like(q, v.shape[-1])
     _flexc.linear_attention_step(_raw(q), _raw(k), _raw(v), _raw(state), _raw(out),
-                                 g=None if g is None else _raw(g), scale=scale,
-                                 stream=_stream_of(q))
+                                 g=_raw_opt(g), scale=scale, stream=_stream_of(q))
     return out

@@ -1,8 +1,8 @@
 // flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/): variants,
 // ahead-of-time compilation, BlockMasks built on the CPU, the float64 reference (host arrays:
-// numpy), and the kernels (attention, its backward, decode, gated linear attention) on CUDA tensors
-// from any DLPack
-// producer. flexc::Error becomes flexc.Error (a ValueError) with flexc's message.
+// numpy), and the kernels (attention, its backward, decode, gated linear attention and its
+// backward) on CUDA tensors from any DLPack producer. flexc::Error becomes flexc.Error (a
+// ValueError) with flexc's message.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -491,6 +491,43 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("stream") = py::none(), py::arg("workspace") = py::none(),
       "flexc::linear_attention on CUDA tensors: gated linear attention, chunkwise; g [B, H, T, "
       "DK] or [B, H, T] log gates (docs/linear.md).");
+
+  m.def(
+      "linear_attention_backward",
+      [](py::handle q, py::handle k, py::handle v, py::handle dout, py::handle dq, py::handle dk,
+         py::handle dv, py::handle g, py::handle dg, py::handle initial_state,
+         py::handle d_initial_state, py::handle d_final_state, std::optional<double> scale,
+         std::optional<int64_t> stream, const py::object& workspace) {
+        const Stream st(stream);
+        Borrowed b;
+        const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
+        const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
+                         tdo = view(dout, "dout");
+        LinearGradients grads;
+        grads.dq = view(dq, "dq");
+        grads.dk = view(dk, "dk");
+        grads.dv = view(dv, "dv");
+        if (!dg.is_none()) grads.dg = view(dg, "dg");
+        if (!d_initial_state.is_none())
+          grads.d_initial_state = view(d_initial_state, "d_initial_state");
+        LinearBackwardOptions o;
+        if (!g.is_none()) o.g = view(g, "g");
+        if (!initial_state.is_none()) o.initial_state = view(initial_state, "initial_state");
+        if (!d_final_state.is_none()) o.d_final_state = view(d_final_state, "d_final_state");
+        o.scale = scale;
+        o.stream = st.cuda;
+        o.workspace = workspace_from(workspace);
+        py::gil_scoped_release release;
+        flexc::linear_attention_backward(tq, tk, tv, tdo, grads, o);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("dq"), py::arg("dk"),
+      py::arg("dv"), py::kw_only(), py::arg("g") = py::none(), py::arg("dg") = py::none(),
+      py::arg("initial_state") = py::none(), py::arg("d_initial_state") = py::none(),
+      py::arg("d_final_state") = py::none(), py::arg("scale") = py::none(),
+      py::arg("stream") = py::none(), py::arg("workspace") = py::none(),
+      "flexc::linear_attention_backward on CUDA tensors: recomputes from q, k, v, g and "
+      "initial_state, and writes dq, dk, dv, dg (required exactly when g is given, g's shape) and "
+      "d_initial_state (optional) given dout and d_final_state (None: zeros) (docs/linear.md).");
 
   m.def(
       "linear_attention_step",

@@ -146,3 +146,24 @@ def test_linear_attention_takes_cuda_tensors_only():
         flexc.linear_attention(x, x, x, x, g=np.zeros((1, 2, 8), dtype=np.float32))
     with pytest.raises(flexc.Error, match="q is in cpu memory"):
         flexc.linear_attention_step(x, x, x, state, x)
+
+
+def raw(a, dtype):
+    """flexc.torch's raw view of an array, (data_ptr, dtype, shape, strides in elements, CUDA
+    device 0): the binding takes it as a CUDA tensor without reading it, so the C++ checks answer
+    (they run before any GPU work; the memory is never read)."""
+    return (a.ctypes.data, dtype, list(a.shape), [s // a.itemsize for s in a.strides], 0)
+
+
+def test_linear_attention_backward_names_the_bad_argument():
+    x = np.zeros((1, 2, 8, 64), dtype=np.float16)
+    with pytest.raises(flexc.Error, match="q is in cpu memory; flexc's kernels take CUDA"):
+        flexc.linear_attention_backward(x, x, x, x, x, x, x)
+    arrays = [np.zeros((1, 2, 8, 64), dtype=np.float16) for _ in range(7)]  # distinct memory
+    q, k, v, dout, dq, dk, dv = (raw(a, "fp16") for a in arrays)
+    narrow = np.zeros((1, 2, 8, 32), dtype=np.float16)
+    with pytest.raises(flexc.Error, match=r"dq must have the shape of q; got fp16 \[1, 2, 8, 32\]"):
+        flexc.linear_attention_backward(q, k, v, dout, raw(narrow, "fp16"), dk, dv)
+    gates = np.zeros((1, 2, 8), dtype=np.float32)
+    with pytest.raises(flexc.Error, match="g is set, dg is not"):
+        flexc.linear_attention_backward(q, k, v, dout, dq, dk, dv, g=raw(gates, "float32"))

@@ -2,9 +2,13 @@
 
 The C++ tests hold the kernels to the tolerance rule against the float64 reference; these check
 what the Python layer adds: torch tensors in any layout flexc takes ([B, T, H, D] memory through
-transpose, gates broadcast with expand), the final state, the step after a prefill, and the
-errors. The GPU cases compare with a float64 recurrence written here in torch, loosely (bf16
-rounding is ~0.4% per value; a wrong kernel is off by O(1)). Skipped without torch or a GPU.
+transpose, gates broadcast with expand), the final state, the step after a prefill, autograd
+(gradients of q, k, v, the gates, and the initial state) and the errors. The GPU cases compare
+with a float64 recurrence written here in torch (its autograd gives the gradients), loosely: a
+relative rmse of 1% for outputs, 2% (bf16) and 0.5% (fp16) for gradients, several times what
+rounding to the input type costs (at most 2^-8 and 2^-11 relative per value, applied to a few
+operands on the way); a wrong kernel is off by O(1). The seed is fresh each run (FLEXC_SEED
+repeats one); -s prints it and each gradient's error. Skipped without torch or a GPU.
 """
 import os
 import random
@@ -97,10 +101,125 @@ def test_matches_the_recurrence_in_torch_layouts(gates):
 
 
 @gpu
-def test_inputs_that_require_grad_are_refused():
-    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(flexc.Error, match="no backward yet"):
-        linear_attention(q, q.detach(), q.detach())
+def test_the_step_refuses_inputs_that_require_grad():
+    q = torch.randn(1, 2, 1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    state = torch.zeros(1, 2, 64, 64, device="cuda")
+    with pytest.raises(flexc.Error, match="linear_attention_step has no backward"):
+        linear_attention_step(q, q.detach(), q.detach(), state)
     with torch.no_grad():
-        out, final = linear_attention(q, q, q)
-    assert final is None and out.shape == (1, 2, 64, 64)
+        out = linear_attention_step(q, q, q, state)
+    assert out.shape == (1, 2, 1, 64) and out.grad_fn is None
+
+
+# ---- gradients: flexc's backward against the float64 recurrence's autograd on the same inputs
+
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3}  # relative rmse of each gradient
+
+
+def gate_source(kind, B, H, T, DK, gen):
+    """(the float32 tensor a model learns, the function making g of it) for a gate kind: g itself
+    per key dim or per step, or a decay per head expanded to [B, H, T]; (None, None) for none."""
+    x = torch.randn(B, H, T, DK, generator=gen, device="cuda")
+    if kind == "per_dim":
+        return torch.nn.functional.logsigmoid(x) / 16, lambda s: s
+    if kind == "per_step":
+        return torch.nn.functional.logsigmoid(x[..., 0]) / 16, lambda s: s
+    if kind == "per_head":
+        decay = torch.log(1 - torch.exp2(-5.0 - torch.arange(H, device="cuda")))
+        return decay, lambda s: s.view(1, H, 1).expand(B, H, T)
+    return None, None
+
+
+def check_gradients(gates, dtype, B, H, Hk, T, DK, DV, *, state=False, use_out=True,
+                    transposed=False, wrt=("q", "k", "v", "g", "h0")):
+    """Gradients of sum(out * dout) (use_out) + sum(final_state * dstate) (state: with an initial
+    state h0) with respect to the inputs named in `wrt` (the others get none)."""
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+
+    def randn(*shape):
+        if transposed and len(shape) == 4:  # [B, T, H, D] memory seen as [B, H, T, D]
+            b, h, t, d = shape
+            return torch.randn(b, t, h, d, generator=gen, device="cuda").transpose(1, 2)
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    inputs = {"q": randn(B, H, T, DK).to(dtype), "k": randn(B, Hk, T, DK).to(dtype),
+              "v": randn(B, Hk, T, DV).to(dtype)}
+    source, make_g = gate_source(gates, B, H, T, DK, gen)
+    if source is not None:
+        inputs["g"] = source
+    if state:
+        inputs["h0"] = torch.randn(B, H, DK, DV, generator=gen, device="cuda") * 0.1
+    # The loss's weights, exact in the types of out (the input type) and of the final state.
+    dout = torch.randn(B, H, T, DV, generator=gen, device="cuda").to(dtype).double()
+    dstate = torch.randn(B, H, DK, DV, generator=gen, device="cuda").double()
+
+    def gradients(run, cast):
+        leaves = {n: cast(t).requires_grad_(n in wrt) for n, t in inputs.items()}
+        g = make_g(leaves["g"]) if "g" in leaves else None
+        if g is not None and g.requires_grad:
+            g.retain_grad()  # dg in g's shape, before expand()'s backward sums it into the decay's
+        out, final = run(leaves["q"], leaves["k"], leaves["v"], g, leaves.get("h0"))
+        loss = (out.double() * dout).sum() if use_out else 0
+        if state:
+            loss = loss + (final.double() * dstate).sum()
+        loss.backward()
+        grads = {n: t.grad for n, t in leaves.items()}
+        grads["dg"] = None if g is None else g.grad
+        return grads
+
+    def flexc_run(q, k, v, g, h0):
+        return linear_attention(q, k, v, g, initial_state=h0, output_final_state=state)
+
+    def gold_run(q, k, v, g, h0):
+        if g is None:
+            g = torch.zeros(B, H, T, DK, dtype=torch.float64, device="cuda")
+        elif g.dim() == 3:
+            g = g[..., None].expand(B, H, T, DK)
+        return recurrence(q, k, v, g, h0, DK ** -0.5)
+
+    got = gradients(flexc_run, lambda t: t.detach().clone())
+    want = gradients(gold_run, lambda t: t.detach().double())
+    errors = {}
+    for n, t in inputs.items():
+        if n not in wrt:
+            assert got[n] is None, n
+            continue
+        assert got[n].shape == t.shape and got[n].dtype == t.dtype, n
+        assert torch.isfinite(got[n]).all(), f"d{n} is not finite (FLEXC_SEED={SEED})"
+        if n == "g" and got[n].shape != got["dg"].shape:
+            # A decay per head: its gradient sums terms of both signs over B and T, so its
+            # relative error says little (a sum near 0 has a large one). flexc's part is dg in
+            # the expanded view's shape, held to the rule; the sum is torch's.
+            torch.testing.assert_close(got[n], got["dg"].sum((0, 2)))
+            errors[n] = rel_rmse(got["dg"], want["dg"])
+        else:
+            errors[n] = rel_rmse(got[n], want[n])
+    summary = ", ".join(f"d{n} {e:.1e}" for n, e in errors.items())
+    print(f"{gates} {dtype} T={T} DK={DK} DV={DV} Hk={Hk}: relative rmse {summary}")
+    assert max(errors.values()) <= TOLERANCE[dtype], f"{summary} (FLEXC_SEED={SEED})"
+
+
+@gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("T", [63, 64, 130])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gates", ["per_dim", "per_step", "per_head", "none"])
+def test_gradients_match_the_recurrence(gates, dtype, T, D):
+    check_gradients(gates, dtype, B=2, H=2, Hk=2, T=T, DK=D, DV=D)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("gates", ["per_dim", "per_step", "per_head", "none"])
+def test_gradients_with_gqa_states_and_the_transposed_layout(gates, dtype):
+    check_gradients(gates, dtype, B=2, H=2, Hk=1, T=130, DK=64, DV=64, state=True,
+                    transposed=True)
+
+
+@gpu
+@pytest.mark.parametrize("gates", ["per_dim", "none"])
+def test_gradients_of_the_final_state_alone(gates):
+    # out is left out of the loss (its gradient is None: the backward takes zeros), and q, which
+    # the final state does not depend on, does not require grad.
+    check_gradients(gates, torch.bfloat16, B=2, H=2, Hk=2, T=100, DK=64, DV=64, state=True,
+                    use_out=False, wrt=("k", "v", "g", "h0"))

@@ -20,13 +20,17 @@ struct GlaConfig {
   int dk = 128, dv = 128;
   GateType gate = GateType::F32;
   bool scalar_gate = false;  // one gate per step, or none (the gates' key-dim stride 0)
+  // templates/gla_backward.cuh (entry flexc_gla_backward; the compile also holds
+  // flexc_gla_prepare, _states, _dstates, _dg_scan, _dg and _reduce), else templates/gla.cuh
+  // (entry flexc_gla_output; also flexc_gla_prepare, _states and _step).
+  bool backward = false;
 };
 
-// templates/gla.cuh for `c`, entry flexc_gla_output; the same compile holds flexc_gla_prepare,
-// flexc_gla_states and flexc_gla_step. Throws flexc::Error for a head dim or dtype it lacks.
+// The KernelSpec for `c`. Throws flexc::Error for a head dim or dtype it lacks.
 jit::KernelSpec gla_spec(const GlaConfig& c);
-// flexc_gla_output's and flexc_gla_states' dynamic shared memory.
+// flexc_gla_output's, flexc_gla_backward's and flexc_gla_states' dynamic shared memory.
 size_t gla_output_smem(int dk, int dv, bool scalar_gate);
+size_t gla_backward_smem(int dk, int dv, bool scalar_gate);
 size_t gla_states_smem();
 // The JIT compiles every kernel for a variant; the linear kernels read none of it.
 const Variant& gla_variant();

@@ -179,15 +179,195 @@ double check_problem(const LinearReferenceProblem& p, const char* what) {
   return p.scale.value_or(1.0 / std::sqrt(double(p.dk)));
 }
 
+// templates/gla_backward.cuh's chunkwise backward of one head, rounded where it rounds (unless
+// exact_ref): dq, dg (per key dim and token, before any sum over dims) and dh0 into `r`; this
+// head's dk, dv (float32 in the kernel; the caller sums a group's and rounds) into dk_h, dv_h.
+void ref_backward_head(const Head& x, std::span<const float> dout, std::span<const float> dstate,
+                       LinearGradientValues& r, std::vector<double>& dk_h,
+                       std::vector<double>& dv_h, std::vector<double>& db) {
+  const LinearReferenceProblem& p = x.p;
+  const auto rnd = [&](double v) { return p.exact_ref ? v : detail::round_to(p.dtype, v); };
+  const double steep_bound = (p.dtype == DType::BF16 ? 80.0 : 8.0) / std::log2(std::exp(1.0));
+  const int64_t DK = p.dk, DV = p.dv, T = p.seq_len, bh = x.b * p.heads + x.h;
+  const int64_t chunks = (T + kChunk - 1) / kChunk;
+  const auto dO = [&](int64_t t, int64_t e) { return double(dout[(bh * T + t) * DV + e]); };
+  const auto qv = [&](int64_t t, int64_t d) { return t < T ? x.q(t, d) : 0.0; };
+  const auto kv = [&](int64_t t, int64_t d) { return t < T ? x.k(t, d) : 0.0; };
+  // gc per chunk (natural log units; the padding rows' gates are 0).
+  std::vector<double> gc(size_t(chunks * kChunk * DK));
+  for (int64_t n = 0; n < chunks; ++n)
+    for (int64_t d = 0; d < DK; ++d) {
+      double run = 0;
+      for (int64_t r0 = 0; r0 < kChunk; ++r0) {
+        const int64_t t = n * kChunk + r0;
+        gc[(t * DK) + d] = run += t < T ? x.g(t, d) : 0;
+      }
+    }
+  const auto G = [&](int64_t t, int64_t d) { return gc[t * DK + d]; };
+  // The chunk start states (forward, Kend rounded) and state gradients (Qexp rounded), each
+  // rounded as the per-chunk kernel reads them.
+  std::vector<double> S(size_t(DK * DV)), S16(size_t(chunks * DK * DV)), D16(S16.size());
+  for (int64_t d = 0; d < DK; ++d)
+    for (int64_t e = 0; e < DV; ++e) S[d * DV + e] = x.h0(d, e);
+  for (int64_t n = 0; n < chunks; ++n) {
+    for (size_t i = 0; i < S.size(); ++i) S16[n * DK * DV + i] = rnd(S[i]);
+    for (int64_t d = 0; d < DK; ++d) {
+      const double last = G(n * kChunk + kChunk - 1, d);
+      for (int64_t e = 0; e < DV; ++e) S[d * DV + e] *= std::exp(last);
+      for (int64_t t = n * kChunk; t < std::min(T, n * kChunk + kChunk); ++t) {
+        const double kend = rnd(x.k(t, d) * std::exp(last - G(t, d)));
+        for (int64_t e = 0; e < DV; ++e) S[d * DV + e] += kend * x.v(t, e);
+      }
+    }
+  }
+  std::vector<double> D(size_t(DK * DV));
+  for (size_t i = 0; i < D.size(); ++i) D[i] = dstate.empty() ? 0 : dstate[bh * DK * DV + i];
+  // The final state's term of every dg: sum_e S_T dS_T per key dim.
+  std::vector<double> fin(size_t(DK), 0.0);
+  for (int64_t d = 0; d < DK; ++d)
+    for (int64_t e = 0; e < DV; ++e) fin[d] += S[d * DV + e] * D[d * DV + e];
+  for (int64_t n = chunks - 1; n >= 0; --n) {
+    for (size_t i = 0; i < D.size(); ++i) D16[n * DK * DV + i] = rnd(D[i]);
+    for (int64_t d = 0; d < DK; ++d) {
+      for (int64_t e = 0; e < DV; ++e) D[d * DV + e] *= std::exp(G(n * kChunk + kChunk - 1, d));
+      for (int64_t t = n * kChunk; t < std::min(T, n * kChunk + kChunk); ++t) {
+        const double qe = rnd(x.scale * x.q(t, d) * std::exp(G(t, d)));
+        for (int64_t e = 0; e < DV; ++e) D[d * DV + e] += qe * dO(t, e);
+      }
+    }
+  }
+  std::copy(D.begin(), D.end(), r.dh0.begin() + bh * DK * DV);
+
+  std::vector<double> qhat(size_t(kChunk * DK)), khat(qhat.size()), qchk(qhat.size()),
+      kchk(qhat.size()), A(kChunk * kChunk), dA(A.size());
+  std::vector<char> steep(size_t(4 * DK));
+  for (int64_t n = 0; n < chunks; ++n) {
+    const int64_t t0 = n * kChunk;
+    const double* s16 = &S16[n * DK * DV];
+    const double* d16 = &D16[n * DK * DV];
+    const auto g = [&](int64_t r0, int64_t d) { return G(t0 + r0, d); };
+    for (int64_t blk = 0; blk < 4; ++blk)
+      for (int64_t d = 0; d < DK; ++d)
+        steep[blk * DK + d] = g(blk * kSub, d) - g(blk * kSub + kSub - 1, d) > steep_bound;
+    for (int64_t i = 0; i < kChunk; ++i) {
+      const int64_t f = i / kSub * kSub, e = f + kSub - 1;
+      for (int64_t d = 0; d < DK; ++d) {
+        const double q = qv(t0 + i, d), k = kv(t0 + i, d);
+        const bool st = steep[i / kSub * DK + d];
+        qhat[i * DK + d] = rnd(q * std::exp(g(i, d) - g(f, d)));
+        khat[i * DK + d] = rnd(k * std::exp(g(e, d) - g(i, d)));
+        qchk[i * DK + d] = st ? 0 : rnd(q * std::exp(g(i, d) - g(e, d)));
+        kchk[i * DK + d] = st ? 0 : rnd(k * std::exp(g(f, d) - g(i, d)));
+      }
+    }
+    // cf[I][J] = exp(gc_fI - gc_eJ), per key dim.
+    const auto cf = [&](int64_t I, int64_t J, int64_t d) {
+      return std::exp(g(I * kSub, d) - g(J * kSub + kSub - 1, d));
+    };
+    // The exact term of a steep dim on a diagonal block.
+    const auto exact = [&](int64_t i, int64_t j, int64_t d) {
+      return qv(t0 + i, d) * kv(t0 + j, d) * std::exp(g(i, d) - g(j, d));
+    };
+    for (int64_t i = 0; i < kChunk; ++i)
+      for (int64_t j = 0; j < kChunk; ++j) {
+        const int64_t I = i / kSub, J = j / kSub;
+        double a = 0, da = 0;
+        if (j <= i) {
+          for (int64_t d = 0; d < DK; ++d) {
+            if (J < I)
+              a += rnd(qhat[i * DK + d] * cf(I, J, d)) * khat[j * DK + d];
+            else
+              a += steep[I * DK + d] ? exact(i, j, d) : qhat[i * DK + d] * kchk[j * DK + d];
+          }
+          for (int64_t e = 0; e < DV; ++e)
+            da += (t0 + i < T ? dO(t0 + i, e) : 0) * (t0 + j < T ? x.v(t0 + j, e) : 0);
+        }
+        A[i * kChunk + j] = rnd(x.scale * a), dA[i * kChunk + j] = rnd(x.scale * da);
+      }
+    for (int64_t i = 0; i < std::min<int64_t>(kChunk, T - t0); ++i) {
+      const int64_t I = i / kSub, f = I * kSub, e = f + kSub - 1, t = t0 + i;
+      for (int64_t d = 0; d < DK; ++d) {
+        // dq: the bracket, then its row factor, then the steep dims' exact terms.
+        double bq = 0, state = 0;
+        for (int64_t j = f; j <= i; ++j) bq += dA[i * kChunk + j] * kchk[j * DK + d];
+        for (int64_t J = 0; J < I; ++J) {
+          double part = 0;
+          for (int64_t j = J * kSub; j < J * kSub + kSub; ++j)
+            part += dA[i * kChunk + j] * khat[j * DK + d];
+          bq += cf(I, J, d) * part;
+        }
+        for (int64_t ee = 0; ee < DV; ++ee) state += dO(t, ee) * s16[d * DV + ee];
+        bq += x.scale * std::exp(g(f, d)) * state;
+        double dq = std::exp(g(i, d) - g(f, d)) * bq;
+        if (steep[I * DK + d])
+          for (int64_t j = f; j <= i; ++j)
+            dq += dA[i * kChunk + j] * kv(t0 + j, d) * std::exp(g(i, d) - g(j, d));
+        // dk of row i (as j in the formulas).
+        double bk = 0;
+        state = 0;
+        for (int64_t u = i; u <= e; ++u) bk += dA[u * kChunk + i] * qchk[u * DK + d];
+        for (int64_t U = I + 1; U < 4; ++U) {
+          double part = 0;
+          for (int64_t u = U * kSub; u < U * kSub + kSub; ++u)
+            part += dA[u * kChunk + i] * qhat[u * DK + d];
+          bk += cf(U, I, d) * part;
+        }
+        for (int64_t ee = 0; ee < DV; ++ee) state += x.v(t, ee) * d16[d * DV + ee];
+        bk += std::exp(g(kChunk - 1, d) - g(e, d)) * state;
+        double dk = std::exp(g(e, d) - g(i, d)) * bk;
+        if (steep[I * DK + d])
+          for (int64_t u = i; u <= e; ++u)
+            dk += dA[u * kChunk + i] * qv(t0 + u, d) * std::exp(g(u, d) - g(i, d));
+        r.dq[(bh * T + t) * DK + d] = rnd(dq);
+        dk_h[t * DK + d] += dk;
+        db[t * DK + d] = x.q(t, d) * dq - x.k(t, d) * dk;
+      }
+      for (int64_t ee = 0; ee < DV; ++ee) {
+        double dv = 0;
+        for (int64_t u = i; u < kChunk; ++u)
+          dv += A[u * kChunk + i] * (t0 + u < T ? dO(t0 + u, ee) : 0);
+        for (int64_t d = 0; d < DK; ++d)
+          dv += rnd(x.k(t, d) * std::exp(g(kChunk - 1, d) - g(i, d))) * d16[d * DV + ee];
+        dv_h[t * DV + ee] += dv;
+      }
+    }
+  }
+  // dg: the running sum of db from the end, plus the final state's term; 0 where clamped.
+  for (int64_t d = 0; d < DK; ++d) {
+    double run = fin[d];
+    for (int64_t t = T - 1; t >= 0; --t) db[t * DK + d] = run += db[t * DK + d];
+  }
+}
+
 // The gradients of one group of heads sharing k and v (their dk, dv are summed).
 void backward_group(const LinearReferenceProblem& p, double scale, int64_t b, int64_t hk,
                     std::span<const float> dout, std::span<const float> dstate,
-                    LinearReferenceGradients& r) {
+                    LinearReferenceGradients& out) {
   const int64_t DK = p.dk, DV = p.dv, T = p.seq_len, group = p.heads / p.k_heads;
   std::vector<double> S(size_t((T + 1) * DK * DV)), dS(size_t(DK * DV));
+  std::vector<double> dk_h(size_t(T * DK)), dv_h(size_t(T * DV)), db(size_t(T * DK));
+  LinearGradientValues& r = out.gold;
+  const auto gate_round = [&](double v) {
+    return p.exact_ref ? v : detail::round_to(p.gate_dtype, v);
+  };
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     const Head x{p, b, h, scale};
-    const int64_t bh = b * p.heads + h, krow = (b * p.k_heads + hk) * T;
+    const int64_t bh = b * p.heads + h;
+    ref_backward_head(x, dout, dstate, out.ref, dk_h, dv_h, db);
+    for (int64_t t = 0; t < T && !p.g.empty(); ++t) {
+      if (!p.per_dim_gates) {
+        double sum = 0;
+        for (int64_t d = 0; d < DK; ++d) sum += db[t * DK + d];
+        const int64_t gi = bh * T + t;
+        out.ref.dg[gi] = p.g[gi] > -1e4 ? gate_round(sum) : 0;
+        continue;
+      }
+      for (int64_t d = 0; d < DK; ++d) {
+        const int64_t gi = (bh * T + t) * DK + d;
+        out.ref.dg[gi] = p.g[gi] > -1e4 ? gate_round(db[t * DK + d]) : 0;
+      }
+    }
+    const int64_t krow = (b * p.k_heads + hk) * T;
     // Forward, keeping every state: S[t] is the state after t tokens.
     for (int64_t d = 0; d < DK; ++d)
       for (int64_t e = 0; e < DV; ++e) S[d * DV + e] = x.h0(d, e);
@@ -231,6 +411,11 @@ void backward_group(const LinearReferenceProblem& p, double scale, int64_t b, in
     }
     std::copy(dS.begin(), dS.end(), r.dh0.begin() + bh * DK * DV);
   }
+  // The kernel sums a group's float32 dk, dv, then rounds.
+  const auto rnd = [&](double v) { return p.exact_ref ? v : detail::round_to(p.dtype, v); };
+  const int64_t krow = (b * p.k_heads + hk) * T;
+  for (int64_t i = 0; i < T * DK; ++i) out.ref.dk[krow * DK + i] = rnd(dk_h[i]);
+  for (int64_t i = 0; i < T * DV; ++i) out.ref.dv[krow * DV + i] = rnd(dv_h[i]);
 }
 
 }  // namespace
@@ -264,16 +449,46 @@ LinearReferenceGradients reference_linear_attention_backward(const LinearReferen
     throw Error(fmt::format("{}: dout has {} elements ({} expected), dstate {} ({} or none)", what,
                             dout.size(), rows * p.dv, dstate.size(), states));
   LinearReferenceGradients r;
-  r.dq.assign(size_t(rows * p.dk), 0.0);
-  r.dk.assign(size_t(krows * p.dk), 0.0);
-  r.dv.assign(size_t(krows * p.dv), 0.0);
-  r.dg.assign(p.g.size(), 0.0);
-  r.dh0.assign(size_t(states), 0.0);
+  for (LinearGradientValues* x : {&r.gold, &r.ref}) {
+    x->dq.assign(size_t(rows * p.dk), 0.0);
+    x->dk.assign(size_t(krows * p.dk), 0.0);
+    x->dv.assign(size_t(krows * p.dv), 0.0);
+    x->dg.assign(p.g.size(), 0.0);
+    x->dh0.assign(size_t(states), 0.0);
+  }
   detail::parallel_chunks(p.batch * p.k_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       backward_group(p, scale, i / p.k_heads, i % p.k_heads, dout, dstate, r);
   });
   return r;
+}
+
+BackwardAccuracy check_linear_gradients(const LinearReferenceGradients& r,
+                                        std::span<const float> dq, std::span<const float> dk,
+                                        std::span<const float> dv, std::span<const float> dg,
+                                        std::span<const float> dh0) {
+  BackwardAccuracy acc;
+  acc.pass = true;
+  const auto one = [&](const char* name, const std::vector<double>& gold,
+                       const std::vector<double>& ref, std::span<const float> x) {
+    if (x.size() != gold.size())
+      throw Error(fmt::format("flexc::check_linear_gradients: {} has {} values; the reference {}",
+                              name, x.size(), gold.size()));
+    GradientAccuracy g;
+    g.name = name;
+    g.rmse = rmse(gold, x, g.bad);
+    g.ref_rmse = rmse(gold, ref);
+    g.floor = std::ldexp(rms(gold), -16);
+    g.pass = g.bad == 0 && g.rmse <= 1.5 * g.ref_rmse + g.floor + 1e-6;
+    acc.pass = acc.pass && g.pass;
+    acc.grads.push_back(g);
+  };
+  one("dq", r.gold.dq, r.ref.dq, dq);
+  one("dk", r.gold.dk, r.ref.dk, dk);
+  one("dv", r.gold.dv, r.ref.dv, dv);
+  if (!r.gold.dg.empty()) one("dg", r.gold.dg, r.ref.dg, dg);
+  if (!dh0.empty()) one("dh0", r.gold.dh0, r.ref.dh0, dh0);
+  return acc;
 }
 
 std::string LinearAccuracy::summary() const {
