@@ -128,19 +128,6 @@ void check_param_count(const std::vector<ParamSpec>& params, std::string_view wh
                     where, runtime, FLEXC_MAX_PARAMS));
 }
 
-void check_variant_name(const std::string& name, std::string_view origin) {
-  const bool ok =
-      !name.empty() && name.size() <= 128 &&
-      (std::isalpha(static_cast<unsigned char>(name[0])) || name[0] == '_') &&
-      std::all_of(name.begin(), name.end(), [](char c) {
-        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
-      });
-  if (!ok)
-    config_error(origin, "name",
-                 fmt::format("expected up to 128 letters, digits, '_', '-' or '.', starting with a "
-                             "letter or '_', got {}",
-                             in_quotes(name)));
-}
 
 void check_decl_name(const std::string& name, std::string_view origin, const std::string& path) {
   if (!dsl::is_identifier(name))
@@ -555,6 +542,20 @@ Variant named(VariantImpl impl, std::string name, std::string description,
 
 }  // namespace
 
+void check_variant_name(const std::string& name, std::string_view origin) {
+  const bool ok =
+      !name.empty() && name.size() <= 128 &&
+      (std::isalpha(static_cast<unsigned char>(name[0])) || name[0] == '_') &&
+      std::all_of(name.begin(), name.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
+      });
+  if (!ok)
+    config_error(origin, "name",
+                 fmt::format("expected up to 128 letters, digits, '_', '-' or '.', starting with a "
+                             "letter or '_', got {}",
+                             in_quotes(name)));
+}
+
 Variant build_variant(const VariantConfig& config, std::string_view origin) {
   check_variant_name(config.name, origin);
   VariantImpl impl;
@@ -571,6 +572,12 @@ Variant build_variant(const VariantConfig& config, std::string_view origin) {
   impl.mask = import_mod(mask.mask, m.maps[1]);
   apply_decls(impl, std::move(m));
   return finish(std::move(impl), origin);
+}
+
+dsl::Mod parse_float_expression(std::string_view text, std::string_view where) {
+  dsl::Mod m = parse(dsl::ModKind::Score, text, dsl::Decls{}, std::string(where));
+  m.graph = dsl::simplify(m.graph);
+  return m;
 }
 
 }  // namespace detail

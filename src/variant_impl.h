@@ -1,6 +1,7 @@
 // The checked IR behind flexc::Variant, for flexc's own code (JIT, BlockMask, CLI). Not installed.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,8 +67,26 @@ struct VariantConfig {
   Precision precision = Precision::Fast;
 };
 
+// A variant's (or linear config's) name: throws flexc::Error naming `origin` if it is not one.
+void check_variant_name(const std::string& name, std::string_view origin);
+
 // Checks everything; throws flexc::Error whose message starts with `origin`.
 Variant build_variant(const VariantConfig& config, std::string_view origin);
+
+// A float expression of the score_mod's inputs and nothing declared (a linear variant's
+// log_decay), checked and simplified; diagnostics start with `where` ("retnet.json: log_decay").
+dsl::Mod parse_float_expression(std::string_view text, std::string_view where);
+
+// A linear-attention config ("kind": "linear"; docs/linear.md), JSON types and keys checked.
+struct LinearConfig {
+  std::string name, description;
+  std::string gate;       // "per_dim", "per_step", "per_head" or "none"
+  std::string log_decay;  // per_head only
+  std::optional<double> scale;
+};
+LinearConfig parse_linear_json(std::string_view text, std::string_view origin);
+// Whether a JSON text is an object with "kind": "linear" (invalid JSON: false).
+bool is_linear_json(std::string_view text);
 
 // Parses a JSON config (schema in docs/variants.md); checks JSON types and keys only.
 VariantConfig parse_variant_json(std::string_view text, std::string_view origin);

@@ -300,6 +300,10 @@ class Reader {
 VariantConfig parse_variant_json(std::string_view text, std::string_view origin) {
   const json j = parse_json(text, origin);
   Reader r(origin);
+  if (j.is_object() && j.contains("kind") && j["kind"] == "linear")
+    config_error(origin, "kind",
+                 "a linear-attention config (\"kind\": \"linear\"): load it as a "
+                 "flexc::LinearVariant (docs/linear.md)");
   r.keys(r.object(j, "(top level)"), "",
          {"name", "description", "score_mod", "mask_mod", "captures", "params", "precision"},
          {"name"});
@@ -320,6 +324,47 @@ VariantConfig parse_variant_json(std::string_view text, std::string_view origin)
       c.params.push_back(r.param(list[i], element("params", i)));
   }
   return c;
+}
+
+LinearConfig parse_linear_json(std::string_view text, std::string_view origin) {
+  const json j = parse_json(text, origin);
+  Reader r(origin);
+  r.keys(r.object(j, "(top level)"), "",
+         {"name", "kind", "description", "gate", "log_decay", "scale"}, {"name", "kind", "gate"});
+  if (r.string(j["kind"], "kind") != "linear")
+    config_error(origin, "kind", fmt::format("expected \"linear\", got {}",
+                                             in_quotes(j["kind"].get<std::string>())));
+  LinearConfig c;
+  c.name = r.string(j["name"], "name");
+  if (j.contains("description")) c.description = r.string(j["description"], "description");
+  c.gate = r.string(j["gate"], "gate");
+  const std::vector<std::string> gates = {"per_dim", "per_step", "per_head", "none"};
+  if (std::find(gates.begin(), gates.end(), c.gate) == gates.end())
+    config_error(origin, "gate",
+                 fmt::format("expected one of {}, got {}{}", fmt::join(gates, ", "),
+                             in_quotes(c.gate), did_you_mean(c.gate, gates)));
+  if (c.gate == "per_head" && !j.contains("log_decay"))
+    config_error(origin, "(top level)",
+                 "missing key \"log_decay\": a per_head gate is the log of a fixed decay, an "
+                 "expression of h (e.g. \"log(1 - exp2(-5 - h))\")");
+  if (j.contains("log_decay")) {
+    if (c.gate != "per_head")
+      config_error(origin, "log_decay",
+                   fmt::format("only a per_head gate has a log_decay; this gate is {}",
+                               in_quotes(c.gate)));
+    c.log_decay = r.expression(j["log_decay"], "log_decay");
+  }
+  if (j.contains("scale")) {
+    const double v = r.number(j["scale"], "scale");
+    if (!(v > 0)) config_error(origin, "scale", fmt::format("must be > 0, got {}", v));
+    c.scale = v;
+  }
+  return c;
+}
+
+bool is_linear_json(std::string_view text) {
+  const json j = json::parse(text.begin(), text.end(), nullptr, false);
+  return j.is_object() && j.contains("kind") && j["kind"] == "linear";
 }
 
 }  // namespace flexc::detail

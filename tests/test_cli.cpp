@@ -1,5 +1,6 @@
 // The `flexc` command line on hostile arguments: each is a clear error naming the option, quickly
-// and before any large allocation (no GPU needed: every case fails before looking for one).
+// and before any large allocation (no GPU needed: every case fails before looking for one);
+// linear-attention configs through check / compile / run ([gpu] for run's checks).
 #include <fmt/format.h>
 #include <sys/wait.h>
 
@@ -11,6 +12,8 @@
 #include <fstream>
 #include <string>
 
+#include "flexc/device.h"
+
 namespace {
 
 struct Result {
@@ -19,7 +22,7 @@ struct Result {
   double seconds = 0;
 };
 
-Result flexc(const std::string& args) {
+Result run_cli(const std::string& args) {
   const std::string cmd = fmt::format("{}/flexc {} 2>&1", FLEXC_BINARY_DIR, args);
   const auto t0 = std::chrono::steady_clock::now();
   FILE* p = popen(cmd.c_str(), "r");
@@ -35,7 +38,7 @@ Result flexc(const std::string& args) {
 
 // Runs flexc, expects failure with `message` in its output, within a second or two.
 void refused(const std::string& args, const std::string& message) {
-  const Result r = flexc(args);
+  const Result r = run_cli(args);
   INFO("flexc " << args << "\n" << r.output);
   CHECK(r.status != 0);
   CHECK(r.output.find(message) != std::string::npos);
@@ -107,7 +110,7 @@ TEST_CASE("a description is printed with its control characters escaped", "[cli]
   const std::filesystem::path f =
       std::filesystem::temp_directory_path() / fmt::format("flexc_cli_{}.json", getpid());
   std::ofstream(f) << R"({"name": "x", "description": "red \u001b[31mALERT\u001b[0m\nline2 é"})";
-  const Result r = flexc("check " + f.string());
+  const Result r = run_cli("check " + f.string());
   std::filesystem::remove(f);
   CHECK(r.status == 0);
   CHECK(r.output.find("x: red \\x1b[31mALERT\\x1b[0m\\nline2 é\n") != std::string::npos);
@@ -150,16 +153,16 @@ TEST_CASE("decode options of flexc run are checked before the GPU is needed", "[
 }
 
 TEST_CASE("precision on the command line overrides a config's, and is fast or exact", "[cli]") {
-  const Result fast = flexc("check @softcap");
+  const Result fast = run_cli("check @softcap");
   CHECK(fast.status == 0);
   CHECK(fast.output.find("    math      fast\n") != std::string::npos);
-  const Result exact = flexc("check @softcap --precision exact");
+  const Result exact = run_cli("check @softcap --precision exact");
   CHECK(exact.status == 0);
   CHECK(exact.output.find("    math      exact\n") != std::string::npos);
   // The generated hooks say which.
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / fmt::format("flexc_cli_{}", getpid());
-  const Result cu = flexc("compile @softcap --precision exact --arch sm_80 --kernel mods_eval "
+  const Result cu = run_cli("compile @softcap --precision exact --arch sm_80 --kernel mods_eval "
                           "--emit cu -o " + dir.string());
   CHECK(cu.status == 0);
   std::ifstream in(dir / "softcap.mods_eval.sm_80.cu");
@@ -168,4 +171,74 @@ TEST_CASE("precision on the command line overrides a config's, and is fast or ex
   std::filesystem::remove_all(dir);
   refused("check @softcap --precision fastest", "--precision");
   refused("run @softcap --random 1,1,1,8,8,64 --precision approximate", "--precision");
+}
+
+TEST_CASE("linear-attention configs: check prints them, compile builds them, run checks options",
+          "[cli][linear]") {
+  const Result retnet = run_cli("check @retnet");
+  INFO(retnet.output);
+  CHECK(retnet.status == 0);
+  CHECK(retnet.output.find("gate        per_head") != std::string::npos);
+  CHECK(retnet.output.find("log_decay   log(1.0 - exp2(float(-5 - h)))") != std::string::npos);
+  CHECK(retnet.output.find("-0.031748697") != std::string::npos);  // log(1 - 1/32)
+  const Result all = run_cli("check --catalogue");
+  for (const char* name : {"gla:", "simple_gla:", "retnet:", "linear:", "alibi:"})
+    CHECK(all.output.find(name) != std::string::npos);
+  const Result built = run_cli("compile @simple_gla --arch sm_90 --head-dim 64 --gate-dtype bf16");
+  INFO(built.output);
+  CHECK(built.status == 0);
+  CHECK(built.output.find("simple_gla: gla (sm_90)") != std::string::npos);
+  CHECK(built.output.find("simple_gla: gla_backward (sm_90)") != std::string::npos);
+  refused("compile @gla --arch sm_90 --gate-dtype int32", "gate dtype must be float32, bf16 or fp16");
+  refused("compile @gla --arch sm_90 --head-dim 96", "head dim 96 is not supported");
+  refused("run @gla --random 1,2,2,16,64 --lse /tmp/lse.npy",
+          "--lse: an option of attention variants; '@gla' is a linear-attention config");
+  refused("run @gla --random 1,2,2,16,64 --dq /tmp/dq.npy", "--dq needs --backward");
+  refused("run @retnet --random 1,2,2,16,64 --g /tmp/g.npy",
+          "--g: 'retnet' has a per_head gate, which takes no gate tensor");
+  refused("run @gla --random 1,2,2,16", "expected B,H,HK,T,DK[,DV] for a linear-attention config");
+  refused("run @causal --random 1,2,2,16,16,64 --g /tmp/g.npy", "--g: the gates of a linear-attention");
+  const auto dir = std::filesystem::temp_directory_path();
+  const auto write = [&](const char* name, const char* text) {
+    const auto f = dir / name;
+    std::ofstream(f) << text;
+    return f.string();
+  };
+  refused("check " + write("flexc_lin1.json",
+                           R"j({"name": "x", "kind": "linear", "gate": "per_hed"})j"),
+          "gate: expected one of per_dim, per_step, per_head, none, got \"per_hed\" (did you "
+          "mean \"per_head\"?)");
+  refused("check " + write("flexc_lin2.json", R"j({"name": "x", "kind": "linear", "gate":
+          "per_head", "log_decay": "-0.1 * kv_idx"})j"),
+          "log_decay: reads kv_idx; a fixed decay per head is an expression of h alone");
+  refused("check " + write("flexc_lin3.json", R"j({"name": "x", "kind": "linear", "gate":
+          "per_head", "log_decay": "0.5 - h"})j"),
+          "log_decay is 0.5 at h = 0; a log decay must be <= 0");
+  refused("check " + write("flexc_lin4.json",
+                           R"j({"name": "x", "kind": "linear", "gate": "per_head"})j"),
+          "missing key \"log_decay\"");
+  refused("check " + write("flexc_lin5.json", R"j({"name": "x", "kind": "linear", "gate":
+          "per_dim", "log_decay": "-1.0"})j"),
+          "log_decay: only a per_head gate has a log_decay");
+  refused("check " + write("flexc_lin6.json", R"j({"name": "x", "kind": "linear", "gate":
+          "per_head", "log_decay": "log(1 - exp2(-5 - hh))"})j"),
+          "log_decay:1:19: error: unknown name 'hh'");
+}
+
+TEST_CASE("flexc run: linear-attention configs pass their forward and backward checks",
+          "[cli][linear][gpu]") {
+  if (!flexc::gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  for (const char* config : {"@gla", "@simple_gla", "@retnet", "@linear"}) {
+    const Result r = run_cli(fmt::format("run {} --random 2,4,2,130,64,128 --check --backward --dtype "
+                                       "fp16",
+                                       config));
+    INFO(r.output);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("check (seed") != std::string::npos);
+    CHECK(r.output.find("check backward (seed") != std::string::npos);
+    CHECK(r.output.find("FAIL") == std::string::npos);
+  }
 }

@@ -16,6 +16,7 @@
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/linear.h"
+#include "flexc/variant.h"
 #include "jit/jit.h"
 #include "linear/gla.h"
 #include "test_tensors.h"
@@ -545,6 +546,48 @@ TEST_CASE("the linear attention kernels build for sm_80 and sm_90", "[linear][ji
   }
   CHECK_THROWS_WITH(detail::gla_spec({"sm_90", DType::BF16, 96, 128, GateType::None}),
                     Contains("head dim 96 is not supported"));
+}
+
+TEST_CASE("linear-attention configs: the catalogue, per-head decays, errors, kernels built",
+          "[linear][jit]") {
+  CHECK(LinearVariant::catalogue_names() ==
+        std::vector<std::string>{"gla", "linear", "retnet", "simple_gla"});
+  CHECK(LinearVariant::from_catalogue("gla").gate() == LinearGate::PerDim);
+  CHECK(LinearVariant::from_catalogue("@simple_gla").gate() == LinearGate::PerStep);
+  CHECK(LinearVariant::from_catalogue("linear").gate() == LinearGate::None);
+  const LinearVariant retnet = LinearVariant::load("@retnet");
+  REQUIRE(retnet.gate() == LinearGate::PerHead);
+  const std::vector<float> d = retnet.head_log_decays(8);
+  REQUIRE(d.size() == 8);
+  for (int h = 0; h < 8; ++h)
+    CHECK(d[h] == static_cast<float>(std::log(1.0 - std::exp2(-5.0 - h))));
+  CHECK(LinearVariant::is_linear_config("@retnet"));
+  CHECK_FALSE(LinearVariant::is_linear_config("@causal"));
+  CHECK_FALSE(LinearVariant::is_linear_config("/nonexistent.json"));
+  CHECK_THROWS_WITH(LinearVariant::from_catalogue("retnt"), Contains("did you mean"));
+  CHECK_THROWS_WITH(retnet.head_log_decays(0), Contains("heads = 0"));
+  CHECK_THROWS_WITH(LinearVariant::from_catalogue("gla").head_log_decays(2),
+                    Contains("a per_dim gate has no per-head decay"));
+  // An attention loader given a linear config says what it is.
+  CHECK_THROWS_WITH(Variant::from_json(R"({"name": "x", "kind": "linear", "gate": "none"})"),
+                    Contains("a linear-attention config"));
+  CHECK_THROWS_WITH(LinearVariant::from_json(R"({"name": "x", "kind": "linear", "gate": "none",
+                                                 "scale": -1})"),
+                    Contains("scale: must be > 0"));
+  CHECK_THROWS_WITH(LinearVariant::from_json(R"({"name": "x", "kind": "softmax", "gate": "none"})"),
+                    Contains("kind: expected \"linear\""));
+  CHECK(LinearVariant::from_json(R"({"name": "x", "kind": "linear", "gate": "none",
+                                     "scale": 0.25})")
+            .scale() == 0.25);
+  // The kernels a config runs, without a GPU: the forward and the backward modules.
+  const std::vector<CompiledKernel> k =
+      compile_linear_kernels(retnet, "sm_90", "fp16", 64, 128, "float32");
+  REQUIRE(k.size() == 2);
+  CHECK(k[0].ptx.find(".entry flexc_gla_output") != std::string::npos);
+  CHECK(k[0].ptx.find(".entry flexc_gla_step") != std::string::npos);
+  CHECK(k[1].ptx.find(".entry flexc_gla_backward") != std::string::npos);
+  CHECK_THROWS_WITH(compile_linear_kernels(retnet, "sm_90", "fp32", 64, 64),
+                    Contains("dtype must be bf16 or fp16"));
 }
 
 // ---- the kernels ([gpu])

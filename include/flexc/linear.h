@@ -13,11 +13,15 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "flexc/jit.h"
 #include "flexc/reference.h"
 #include "flexc/tensor.h"
 
@@ -85,6 +89,53 @@ void linear_attention_backward(const TensorView& q, const TensorView& k, const T
 void linear_attention_step(const TensorView& q, const TensorView& k, const TensorView& v,
                            const TensorView& state, const TensorView& out,
                            const LinearOptions& opts = {});
+
+// ---- Linear-attention variants as configs (docs/linear.md, "Configs"). A JSON config with
+// "kind": "linear" names the gate family the kernels read, and for a fixed decay per head gives
+// its log as an expression of h in flexc's language, so that a new variant of the family is a
+// config, not a new kernel:
+//
+//   {"name": "retnet", "kind": "linear", "gate": "per_head", "log_decay": "log(1 - exp2(-5 - h))"}
+
+enum class LinearGate { PerDim, PerStep, PerHead, None };
+std::string_view to_string(LinearGate g);  // "per_dim", "per_step", "per_head", "none"
+
+class LinearVariant {
+ public:
+  // Throws flexc::Error "origin: path: message" (the path in the config, e.g. "log_decay").
+  static LinearVariant from_json(std::string_view json_text, std::string_view origin = "<json>");
+  static LinearVariant from_json_file(const std::filesystem::path& path);
+  // The built-in catalogue (examples/linear/, embedded at build time): "gla" or "@gla".
+  static LinearVariant from_catalogue(std::string_view name);
+  static std::vector<std::string> catalogue_names();
+  // What a command line names: "@name" of either catalogue, or a JSON file: whether it is a
+  // linear-attention config (the CLI's commands take both kinds), and loading it.
+  static bool is_linear_config(std::string_view config);
+  static LinearVariant load(std::string_view config);
+
+  const std::string& name() const;
+  const std::string& description() const;
+  LinearGate gate() const;
+  // PerHead: the log decay, checked and normalized (an expression of h alone).
+  std::string log_decay_text() const;
+  std::optional<double> scale() const;
+  // PerHead: log_decay at h = 0 .. heads - 1, in float64 by flexc's interpreter, as float32.
+  // Throws naming the head if a value is positive or NaN.
+  std::vector<float> head_log_decays(int64_t heads) const;
+
+ private:
+  struct Impl;
+  explicit LinearVariant(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+};
+
+// The kernels a linear variant runs, built ahead of time through the JIT's caches (no GPU
+// needed when `arch` is named): the forward module (chunkwise forward and the step) and the
+// backward module, for inputs of `dtype` ("bf16" / "fp16"), head dims dk, dv (64 or 128) and
+// gates of `gate_dtype` ("float32", "bf16", "fp16"; unused without gates).
+std::vector<CompiledKernel> compile_linear_kernels(const LinearVariant& v, std::string_view arch,
+                                                   std::string_view dtype, int dk, int dv,
+                                                   std::string_view gate_dtype = "float32");
 
 // ---- The float64 CPU reference and the tolerance rule (docs/linear.md).
 //

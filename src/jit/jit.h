@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "dsl/emit_cuda.h"
+#include "flexc/jit.h"
 #include "flexc/variant.h"
 
 struct CUfunc_st;
@@ -43,6 +44,9 @@ struct Compiled {
   bool from_disk = false;
   double compile_seconds = 0;  // NVRTC's time; 0 for a hit
 };
+
+// The public form of a compile (flexc/jit.h), `arch` as asked.
+CompiledKernel to_compiled_kernel(Compiled c, std::string arch);
 
 // Compiles without a GPU (needs an explicit arch). Throws flexc::Error with diagnostics mapped
 // back to the user's expression or to the template file and line.

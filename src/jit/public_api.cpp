@@ -29,6 +29,22 @@ std::vector<KernelInfo> kernel_templates(std::string_view arch) {
   return out;
 }
 
+namespace jit {
+CompiledKernel to_compiled_kernel(Compiled c, std::string arch) {
+  CompiledKernel k;
+  k.arch = std::move(arch);
+  k.key = std::move(c.key);
+  k.source = std::move(c.source);
+  k.ptx = std::move(c.ptx);
+  k.cubin = std::move(c.cubin);
+  k.origin = c.from_disk    ? CompiledKernel::Origin::DiskCache
+             : c.from_cache ? CompiledKernel::Origin::MemoryCache
+                            : CompiledKernel::Origin::Compiled;
+  k.compile_seconds = c.compile_seconds;
+  return k;
+}
+}  // namespace jit
+
 std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const KernelBuild> builds,
                                             bool use_cache) {
   std::vector<jit::KernelSpec> specs;
@@ -36,20 +52,8 @@ std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const Ke
     specs.push_back(jit::find_kernel(b.kernel).spec({b.arch, b.dtype, b.head_dim, b.v_head_dim}));
   std::vector<CompiledKernel> out;
   std::vector<jit::Compiled> compiled = jit::compile_all(v, specs, {.use_cache = use_cache});
-  for (size_t i = 0; i < compiled.size(); ++i) {
-    jit::Compiled& c = compiled[i];
-    CompiledKernel k;
-    k.arch = specs[i].arch;
-    k.key = std::move(c.key);
-    k.source = std::move(c.source);
-    k.ptx = std::move(c.ptx);
-    k.cubin = std::move(c.cubin);
-    k.origin = c.from_disk    ? CompiledKernel::Origin::DiskCache
-               : c.from_cache ? CompiledKernel::Origin::MemoryCache
-                              : CompiledKernel::Origin::Compiled;
-    k.compile_seconds = c.compile_seconds;
-    out.push_back(std::move(k));
-  }
+  for (size_t i = 0; i < compiled.size(); ++i)
+    out.push_back(jit::to_compiled_kernel(std::move(compiled[i]), specs[i].arch));
   return out;
 }
 

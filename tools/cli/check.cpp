@@ -1,5 +1,6 @@
 // `flexc check CONFIG.json... | @name... | --catalogue`: loads variants and prints what flexc
-// understood of them (normalized mods, what they read, the score derivative, declarations).
+// understood of them (normalized mods, what they read, the score derivative, declarations; for a
+// linear-attention config its gate and per-head decays).
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -9,6 +10,7 @@
 
 #include "cli/args.h"
 #include "cli/command.h"
+#include "flexc/linear.h"
 #include "flexc/variant.h"
 
 namespace flexc::cli {
@@ -43,6 +45,24 @@ void print(const Variant& v) {
                p.default_value);
 }
 
+void print(const LinearVariant& v) {
+  const std::vector<float> decays =
+      v.gate() == LinearGate::PerHead ? v.head_log_decays(4) : std::vector<float>{};
+  fmt::print("{}", v.name());
+  if (!v.description().empty()) fmt::print(": {}", printable(v.description()));
+  fmt::print("\n  kind        linear attention (docs/linear.md)\n");
+  fmt::print("  gate        {}{}\n", to_string(v.gate()),
+             v.gate() == LinearGate::PerDim    ? "  (g [B, H, T, DK], log space)"
+             : v.gate() == LinearGate::PerStep ? "  (g [B, H, T], log space)"
+             : v.gate() == LinearGate::None    ? "  (no gate)"
+                                               : "");
+  if (v.gate() == LinearGate::PerHead) {
+    fmt::print("  log_decay   {}\n", v.log_decay_text());
+    fmt::print("    h 0..3    {}\n", fmt::join(decays, ", "));
+  }
+  if (v.scale()) fmt::print("  scale       {}\n", *v.scale());
+}
+
 struct Options {
   std::vector<std::string> configs;
   bool catalogue = false;
@@ -51,16 +71,20 @@ struct Options {
 
 void run(const Options& o) {
   std::vector<std::string> todo = o.configs;
-  if (o.catalogue)
+  if (o.catalogue) {
     for (const std::string& name : Variant::catalogue_names()) todo.push_back("@" + name);
+    for (const std::string& name : LinearVariant::catalogue_names()) todo.push_back("@" + name);
+  }
   if (todo.empty()) throw CLI::ValidationError("give CONFIG.json files, @name or --catalogue");
   int failed = 0;
   for (size_t i = 0; i < todo.size(); ++i) {
     const std::string& arg = todo[i];
     try {
-      const Variant v = load_variant(arg, o.precision);
       if (i) fmt::print("\n");
-      print(v);
+      if (LinearVariant::is_linear_config(arg))
+        print(LinearVariant::load(arg));
+      else
+        print(load_variant(arg, o.precision));
     } catch (const Error& e) {
       std::fflush(stdout);
       fmt::print(stderr, "{}\n", e.what());

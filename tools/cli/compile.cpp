@@ -1,5 +1,6 @@
-// `flexc compile CONFIG.json`: generates a variant's kernels with NVRTC, without needing a GPU,
-// through the same cache as the library; optionally writes the spliced .cu, the PTX and the cubin.
+// `flexc compile CONFIG.json`: generates a variant's kernels (or a linear-attention config's) with
+// NVRTC, without needing a GPU, through the same cache as the library; optionally writes the
+// spliced .cu, the PTX and the cubin.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/jit.h"
+#include "flexc/linear.h"
 #include "flexc/variant.h"
 
 namespace flexc::cli {
@@ -27,6 +29,7 @@ namespace fs = std::filesystem;
 struct Options {
   std::vector<std::string> configs;
   std::string arch, dtype = "bf16", kernels = "all", out_dir, emit, precision;
+  std::string gate_dtype = "float32";  // linear-attention configs' gates
   int head_dim = 128, v_head_dim = 0;
   bool timings = false;
 };
@@ -91,33 +94,42 @@ void run(const Options& o) {
   const fs::path dir = o.out_dir.empty() ? fs::path(".") : fs::path(o.out_dir);
   if (want_cu || want_ptx || want_cubin) fs::create_directories(dir);
 
+  // One kernel built: its line, and the files asked for.
+  const auto report = [&](const std::string& variant, const std::string& kernel,
+                          const CompiledKernel& c) {
+    const std::string how = c.origin == CompiledKernel::Origin::DiskCache     ? "disk cache"
+                            : c.origin == CompiledKernel::Origin::MemoryCache ? "memory cache"
+                                                                              : "compiled";
+    std::string line = fmt::format("{}: {} ({}): {}, key {}, cubin {} bytes, ptx {} bytes",
+                                   variant, kernel, c.arch.empty() ? "this GPU" : c.arch, how,
+                                   c.key.substr(0, 16), c.cubin.size(), c.ptx.size());
+    if (o.timings && c.origin == CompiledKernel::Origin::Compiled)
+      line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
+    fmt::print("{}\n", line);
+    const std::string stem =
+        fmt::format("{}.{}.{}", file_stem(variant), kernel, c.arch.empty() ? "gpu" : c.arch);
+    if (want_cu) write_file(dir / (stem + ".cu"), c.source);
+    if (want_ptx) write_file(dir / (stem + ".ptx"), c.ptx);
+    if (want_cubin) {
+      if (c.cubin.empty())
+        throw Error(fmt::format(
+            "{} has no cubin: '{}' is a virtual architecture (use --emit ptx)", stem, c.arch));
+      write_file(dir / (stem + ".cubin"), c.cubin);
+    }
+  };
   for (const std::string& config : o.configs) {
+    if (LinearVariant::is_linear_config(config)) {
+      // A linear-attention config: its forward (with the step) and backward modules.
+      const LinearVariant v = LinearVariant::load(config);
+      const std::vector<CompiledKernel> out = compile_linear_kernels(
+          v, o.arch, o.dtype, o.head_dim, o.v_head_dim ? o.v_head_dim : o.head_dim, o.gate_dtype);
+      report(v.name(), "gla", out[0]);
+      report(v.name(), "gla_backward", out[1]);
+      continue;
+    }
     const Variant v = load_variant(config, o.precision);
     const std::vector<CompiledKernel> out = compile_kernels(v, builds);
-    for (size_t i = 0; i < out.size(); ++i) {
-      const CompiledKernel& c = out[i];
-      const std::string how = c.origin == CompiledKernel::Origin::DiskCache     ? "disk cache"
-                              : c.origin == CompiledKernel::Origin::MemoryCache ? "memory cache"
-                                                                                : "compiled";
-      std::string line =
-          fmt::format("{}: {} ({}): {}, key {}, cubin {} bytes, ptx {} bytes", v.name(),
-                      builds[i].kernel, c.arch.empty() ? "this GPU" : c.arch, how,
-                      c.key.substr(0, 16), c.cubin.size(), c.ptx.size());
-      if (o.timings && c.origin == CompiledKernel::Origin::Compiled)
-        line += fmt::format(", NVRTC {:.3f} s", c.compile_seconds);
-      fmt::print("{}\n", line);
-      const std::string stem = fmt::format("{}.{}.{}", file_stem(v.name()), builds[i].kernel,
-                                           c.arch.empty() ? "gpu" : c.arch);
-      if (want_cu) write_file(dir / (stem + ".cu"), c.source);
-      if (want_ptx) write_file(dir / (stem + ".ptx"), c.ptx);
-      if (want_cubin) {
-        if (c.cubin.empty())
-          throw Error(
-              fmt::format("{} has no cubin: '{}' is a virtual architecture (use --emit ptx)", stem,
-                          c.arch));
-        write_file(dir / (stem + ".cubin"), c.cubin);
-      }
-    }
+    for (size_t i = 0; i < out.size(); ++i) report(v.name(), builds[i].kernel, out[i]);
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (o.timings) fmt::print("total {:.3f} s\n", total);
@@ -129,7 +141,8 @@ const Register reg{
       CLI::App* c = app.add_subcommand(
           "compile", "Generate variants' kernels with NVRTC (no GPU needed; uses the JIT cache)");
       c->add_option("configs", o->configs,
-                    "variant configs (JSON files, or @name from the catalogue)")
+                    "variant configs (JSON files, or @name from the catalogues; linear-attention "
+                    "configs too)")
           ->required();
       c->add_option("--arch", o->arch,
                     "target: sm_80, sm_86, sm_89, sm_90, sm_90a, compute_90, ... "
@@ -152,6 +165,10 @@ const Register reg{
       c->add_option("--emit", o->emit,
                     "what to write, comma-separated: cu, ptx, cubin (with -o "
                     "alone: cubin)");
+      c->add_option("--gate-dtype", o->gate_dtype,
+                    "linear-attention configs: the gates' type, float32, bf16 or fp16 (their "
+                    "kernels: gla, gla_backward; --head-dim and --v-head-dim are DK and DV)")
+          ->capture_default_str();
       c->add_flag("--timings", o->timings, "print NVRTC and total times");
       add_precision_option(c, o->precision);
       c->callback([o] { run(*o); });

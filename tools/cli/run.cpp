@@ -5,7 +5,7 @@
 // --random inputs); --check compares with the float64 CPU reference under the tolerance rule
 // (docs/attention.md) and exits 1 on failure. With --kv-lens it runs flexc::decode instead: K / V
 // are the cache (KV_LEN its capacity), contiguous or, with --page-size, paged through a shuffled
-// page table.
+// page table. A linear-attention config runs flexc::linear_attention (run_linear.cpp).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,11 +19,14 @@
 
 #include "cli/args.h"
 #include "cli/command.h"
+#include "cli/inputs.h"
+#include "cli/run_linear.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/decode.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "flexc/linear.h"
 #include "flexc/npy.h"
 #include "flexc/reference.h"
 #include "flexc/variant.h"
@@ -33,6 +36,7 @@ namespace {
 
 struct Options {
   std::string config, q, k, v, out, lse, random, dtype = "bf16", precision;
+  std::string g;  // linear-attention configs: the log gates
   std::vector<std::string> captures, params;  // NAME=VALUE
   bool backward = false, atomic_dq = false, deterministic = false;
   std::string dout, dq, dk, dv;
@@ -65,34 +69,6 @@ std::vector<int64_t> per_batch(std::vector<int64_t> values, int64_t B, const cha
   return values;
 }
 
-// A [B, H, S, D] input on the host: the values the kernel sees (rounded to its dtype) and their
-// 16-bit encoding.
-struct Input {
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-  std::vector<uint16_t> bits;
-};
-
-Input encode(std::vector<int64_t> shape, std::vector<float> values, DType dtype) {
-  Input in{std::move(shape), std::move(values), {}};
-  in.bits.resize(in.values.size());
-  for (size_t i = 0; i < in.values.size(); ++i) {
-    in.bits[i] = dtype == DType::BF16 ? float_to_bf16(in.values[i]) : float_to_fp16(in.values[i]);
-    in.values[i] = dtype == DType::BF16 ? bf16_to_float(in.bits[i]) : fp16_to_float(in.bits[i]);
-  }
-  return in;
-}
-
-Input read_input(const std::string& path, const char* name, DType dtype) {
-  if (path.empty())
-    throw Error(fmt::format("--{} FILE.npy is required (or --random B,HQ,HKV,Q_LEN,KV_LEN,D)", name));
-  const npy::Array a = npy::read(path);
-  if (a.shape.size() != 4)
-    throw Error(fmt::format("--{} {}: expected a [B, H, SEQ, D] array, got rank {}", name, path,
-                            a.shape.size()));
-  return encode(a.shape, a.as(DType::F32, fmt::format("--{} {}", name, path)).to_float(), dtype);
-}
-
 std::vector<int64_t> parse_sizes(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);
@@ -112,32 +88,9 @@ std::vector<int64_t> parse_sizes(const std::string& s) {
   return out;
 }
 
-Input random_input(std::vector<int64_t> shape, std::mt19937_64& rng, DType dtype) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::normal_distribution<float> nd(0.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = nd(rng);
-  return encode(std::move(shape), std::move(v), dtype);
-}
-
 // --check --backward computes every gradient in float64 on the CPU: B * HQ * Q_LEN * KV_LEN
 // score elements, each of D multiply-adds several times over. Past this it would take minutes.
 constexpr int64_t kMaxBackwardCheckElements = int64_t{1} << 26;
-
-std::vector<float> download_16bit(const flexc::DeviceBuffer& b, size_t n, DType dtype) {
-  const std::vector<uint16_t> bits = b.to_vector<uint16_t>(n);
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i)
-    out[i] = dtype == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
-  return out;
-}
-
-flexc::DeviceBuffer upload(const void* data, size_t bytes) {
-  flexc::DeviceBuffer b(std::max<size_t>(bytes, 16));
-  b.upload(data, bytes);
-  return b;
-}
 
 // --check: a random sample of at most --check-rows rows against the float64 reference; exits 1
 // when the tolerance rule fails.
@@ -259,6 +212,24 @@ void run_decode(const Options& o, const Variant& variant, DType dtype, const Inp
 }
 
 void run(const Options& o) {
+  if (LinearVariant::is_linear_config(o.config)) {
+    const std::pair<const char*, bool> attention_only[] = {
+        {"--capture", !o.captures.empty()},      {"--param", !o.params.empty()},
+        {"--lse", !o.lse.empty()},               {"--capture-grad", !o.capture_grads.empty()},
+        {"--kv-lens", !o.kv_lens.empty()},       {"--q-offsets", !o.q_offsets.empty()},
+        {"--page-size", o.page_size != 0},       {"--splits", o.splits != 0},
+        {"--atomic-dq", o.atomic_dq},            {"--deterministic", o.deterministic},
+        {"--dense", o.dense},                    {"--kernel", o.kernel != "auto"},
+        {"--precision", !o.precision.empty()}};
+    for (const auto& [flag, given] : attention_only)
+      if (given)
+        throw Error(fmt::format("{}: an option of attention variants; '{}' is a linear-attention "
+                                "config",
+                                flag, o.config));
+    return run_linear({o.config, o.q, o.k, o.v, o.g, o.random, o.dtype, o.out, o.dout, o.dq, o.dk,
+                       o.dv, o.scale, o.seed, o.check, o.backward});
+  }
+  if (!o.g.empty()) throw Error("--g: the gates of a linear-attention config; this is not one");
   // Every argument is checked before any slow work, and before looking for a GPU.
   const FwdKernel kernel = parse_fwd_kernel(o.kernel);
   const Variant variant = load_variant(o.config, o.precision);
@@ -314,19 +285,14 @@ void run(const Options& o) {
     throw Error("flexc run needs a GPU (no CUDA driver or device found)");
 
   std::mt19937_64 rng(o.seed);
-  Input q, k, v;
-  if (!o.random.empty()) {
-    if (!o.q.empty() || !o.k.empty() || !o.v.empty())
-      throw Error("--random generates q, k and v: give it or --q/--k/--v, not both");
-    const std::vector<int64_t>& s = sizes;
-    q = random_input({s[0], s[1], s[3], s[5]}, rng, dtype);
-    k = random_input({s[0], s[2], s[4], s[5]}, rng, dtype);
-    v = random_input({s[0], s[2], s[4], s[6]}, rng, dtype);
-  } else {
-    q = read_input(o.q, "q", dtype);
-    k = read_input(o.k, "k", dtype);
-    v = read_input(o.v, "v", dtype);
-  }
+  const std::vector<int64_t>& s = sizes;
+  const std::vector<std::vector<int64_t>> shapes =
+      sizes.empty() ? std::vector<std::vector<int64_t>>{}
+                    : std::vector<std::vector<int64_t>>{{s[0], s[1], s[3], s[5]},
+                                                        {s[0], s[2], s[4], s[5]},
+                                                        {s[0], s[2], s[4], s[6]}};
+  const auto [q, k, v] = qkv_inputs(o.random, shapes, o.q, o.k, o.v, rng, dtype,
+                                    "--random B,HQ,HKV,Q_LEN,KV_LEN,D");
   const int64_t B = q.shape[0], Hq = q.shape[1], Lq = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], Lkv = k.shape[2], Dv = v.shape[3];
   const std::vector<int64_t> out_shape{B, Hq, Lq, Dv};
@@ -418,7 +384,8 @@ void run(const Options& o) {
 
   // ---- backward: dout read or generated, gradients into poisoned buffers (capture gradients
   // start at 0: the kernel adds into them)
-  const Input dout_in = o.dout.empty() ? random_input(q.shape, rng, dtype) : read_input(o.dout, "dout", dtype);
+  const Input dout_in = o.dout.empty() ? random_input(q.shape, rng, dtype)
+                                       : read_input(o.dout, "dout", dtype, "[B, H, SEQ, D]", "");
   if (dout_in.shape != q.shape)
     throw Error(fmt::format("--dout {}: shape [{}] must be q's [{}]", o.dout,
                             fmt::join(dout_in.shape, ", "), fmt::join(q.shape, ", ")));
@@ -500,8 +467,11 @@ const Register reg("run", [](CLI::App& app) {
       "Run a variant's forward (and with --backward, backward) attention on the GPU: q, k, v "
       "from float32 .npy files [B, H, SEQ, D] (or --random), output, LSE and gradients to float32 "
       ".npy files. --check compares with the float64 CPU reference and exits 1 when the "
-      "tolerance rule fails.");
-  cmd->add_option("config", o->config, "JSON variant config, or @name from the catalogue")
+      "tolerance rule fails. A linear-attention config (\"kind\": \"linear\") runs gated linear "
+      "attention: --random B,H,HK,T,DK[,DV], --g for its gates (docs/linear.md).");
+  cmd->add_option("config", o->config,
+                  "JSON variant config (attention or linear attention), or @name from the "
+                  "catalogues")
       ->required();
   cmd->add_option("--q", o->q, "queries, float32 .npy [B, HQ, Q_LEN, D]");
   cmd->add_option("--k", o->k, "keys, float32 .npy [B, HKV, KV_LEN, D]");
@@ -510,6 +480,9 @@ const Register reg("run", [](CLI::App& app) {
                   "generate normal random q, k, v of sizes B,HQ,HKV,Q_LEN,KV_LEN,D[,DV] instead "
                   "(DV: v's and the output's head dim, default D)");
   cmd->add_option("--seed", o->seed, "seed for --random and the --check row sample");
+  cmd->add_option("--g", o->g,
+                  "linear-attention configs: log gates, float32 .npy [B, H, T, DK] (per_dim) or "
+                  "[B, H, T] (per_step); default: random, logsigmoid(x) / 16");
   cmd->add_option("--capture", o->captures,
                   "a captured tensor, NAME=FILE.npy in its declared dtype (float32 converts to "
                   "bf16 / fp16) (repeatable)");
