@@ -7,9 +7,9 @@
     print(mask.sparsity(), mask.to_string())
     ptx = flexc.compile(alibi, "attention_fwd", arch="sm_90").ptx
 
-This module is the CPU side of the C++ library (variants, ahead-of-time compilation, BlockMasks on
-the CPU, the float64 reference); errors raise flexc.Error (a ValueError) with flexc's message.
-See docs/python.md.
+This module is the CPU side of the C++ library (variants, linear-attention configs, ahead-of-time
+compilation, BlockMasks on the CPU, the float64 reference); errors raise flexc.Error (a
+ValueError) with flexc's message. See docs/python.md.
 """
 import importlib.util
 import os
@@ -23,6 +23,7 @@ from ._flexc import (  # noqa: F401  (the public names)
     CompiledKernel,
     Error,
     KernelInfo,
+    LinearVariant,
     ParamSpec,
     Precision,
     TileKind,
@@ -84,9 +85,9 @@ def reference_attention(variant, q, k, v, captures=None, params=None, scale=None
             np.frombuffer(lse, dtype=np.float64).reshape(shape[:3]))
 
 __all__ = [
-    "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "ParamSpec", "Precision",
-    "TileKind", "Variant", "attention", "attention_backward", "compile", "compose",
-    "create_block_mask", "decode", "kernel_templates", "linear_attention",
+    "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "LinearVariant",
+    "ParamSpec", "Precision", "TileKind", "Variant", "attention", "attention_backward", "compile",
+    "compose", "create_block_mask", "decode", "kernel_templates", "linear_attention",
     "linear_attention_backward", "linear_attention_step", "reference_attention",
 ]
 # flexc.torch (FlexAttention's API on torch tensors) is imported on its own: `import flexc.torch`.

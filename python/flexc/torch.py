@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import _flexc
-from ._flexc import CaptureSpec, Error, ParamSpec, Variant
+from ._flexc import CaptureSpec, Error, LinearVariant, ParamSpec, Variant
 
 __all__ = ["BlockMask", "create_block_mask", "flex_attention"]
 
@@ -516,6 +516,55 @@ def _linear_forward(q, k, v, g, initial_state, scale, output_final_state, worksp
     return out, final
 
 
+_LINEAR_VARIANTS: dict = {}  # config string -> LinearVariant, loaded once per process
+# (log_decay, H, device) -> the float32 [H] decays: building them is a blocking host-to-device copy.
+_HEAD_DECAYS: dict = {}
+
+
+def _linear_variant(variant):
+    if isinstance(variant, LinearVariant):
+        return variant
+    if not isinstance(variant, str):
+        raise Error("linear_attention: variant must be a flexc.LinearVariant or a config ('@name' "
+                    f"or a JSON file's path); got {type(variant).__name__}")
+    v = _LINEAR_VARIANTS.get(variant)
+    if v is None:
+        v = _LINEAR_VARIANTS[variant] = LinearVariant.load(variant)
+    return v
+
+
+def _head_decays(variant, H, device):
+    key = (variant.log_decay, H, device)
+    decay = _HEAD_DECAYS.get(key)
+    if decay is None:
+        decay = torch.tensor(variant.head_log_decays(H), dtype=torch.float32, device=device)
+        _HEAD_DECAYS[key] = decay
+    return decay
+
+
+def _variant_gates(variant, q, g):
+    """The g the kernels read for the variant's gate kind: the caller's, checked against the kind's
+    shape (per_dim, per_step); the decays of its log_decay, [H] expanded to [B, H, T] (per_head);
+    None (none)."""
+    B, H, T, DK = q.shape
+    gate = variant.gate
+    if gate in ("per_dim", "per_step"):
+        want = (B, H, T, DK) if gate == "per_dim" else (B, H, T)
+        if g is not None and tuple(g.shape) == want:
+            return g
+        need = ("[B, H, T, DK]" if gate == "per_dim" else "[B, H, T]") + f" = {list(want)}"
+    elif g is None:
+        if gate == "none":
+            return None
+        return _head_decays(variant, H, q.device).view(1, H, 1).expand(B, H, T)
+    else:
+        need = "None (its decays come from its log_decay)" if gate == "per_head" else \
+            "None (it has no gate)"
+    got = "None" if g is None else f"a tensor of shape {list(g.shape)}"
+    raise Error(f"linear_attention: variant '{variant.name}' has gate {gate}: g must be {need}; "
+                f"got {got}")
+
+
 class _LinearAttention(torch.autograd.Function):
     """Training: flexc's forward, then its backward, which recomputes the chunk states from the
     inputs (so nothing but the inputs is saved)."""
@@ -560,7 +609,7 @@ class _LinearAttention(torch.autograd.Function):
 
 
 def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
-                     output_final_state=False, workspace=None):
+                     output_final_state=False, workspace=None, variant=None):
     """Gated linear attention (GLA) on CUDA tensors, chunkwise: returns (out, final_state).
 
     q, k: [B, H, T, DK]; v: [B, H, T, DV] (k and v may have fewer heads, dividing H); bf16 or fp16,
@@ -573,8 +622,18 @@ def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
     Differentiable in q, k, v, g and initial_state (a loss of out, final_state or both): the
     backward kernels recompute the chunk states from the inputs. workspace: a callable
     (bytes -> device pointer kept valid on the stream) for the temporaries; None: flexc's pool
-    in the forward, torch's caching allocator in the backward."""
+    in the forward, torch's caching allocator in the backward.
+
+    variant: a linear-attention config (docs/linear.md, "Configs"), a flexc.LinearVariant or what
+    LinearVariant.load takes ("@retnet", a JSON file's path). Its gate decides g: per_dim takes g
+    [B, H, T, DK], per_step g [B, H, T], per_head and none take g=None (per_head: the decays of its
+    log_decay, on q's device, not trained); its scale applies when scale is None."""
     _check_linear("linear_attention", q, k, v, g=g, initial_state=initial_state)
+    if variant is not None:
+        variant = _linear_variant(variant)
+        g = _variant_gates(variant, q, g)
+        if scale is None:
+            scale = variant.scale
     if initial_state is not None and not initial_state.is_contiguous():
         initial_state = initial_state.contiguous()
     args = (q, k, v, g, initial_state, scale, output_final_state, workspace)

@@ -1,8 +1,8 @@
-// flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/): variants,
-// ahead-of-time compilation, BlockMasks built on the CPU, the float64 reference (host arrays:
-// numpy), and the kernels (attention, its backward, decode, gated linear attention and its
-// backward) on CUDA tensors from any DLPack producer. flexc::Error becomes flexc.Error (a
-// ValueError) with flexc's message.
+// flexc._flexc: the Python binding of flexc's public C++ API (include/flexc/): variants and
+// linear-attention configs, ahead-of-time compilation, BlockMasks built on the CPU, the float64
+// reference (host arrays: numpy), and the kernels (attention, its backward, decode, gated linear
+// attention and its backward) on CUDA tensors from any DLPack producer. flexc::Error becomes
+// flexc.Error (a ValueError) with flexc's message.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -198,6 +198,25 @@ PYBIND11_MODULE(_flexc, m) {
                v.mask_mod_text() + "')";
       });
   m.def("compose", &compose, py::arg("outer"), py::arg("inner"));
+
+  py::class_<LinearVariant>(m, "LinearVariant")
+      .def_static("load", &LinearVariant::load, py::arg("config"),
+                  "A linear-attention config: '@name' of the catalogue or a JSON file's path "
+                  "(docs/linear.md, \"Configs\").")
+      .def_static("from_json", &LinearVariant::from_json, py::arg("text"),
+                  py::arg("origin") = "<json>")
+      .def_static("catalogue_names", &LinearVariant::catalogue_names)
+      .def_property_readonly("name", &LinearVariant::name)
+      .def_property_readonly("description", &LinearVariant::description)
+      .def_property_readonly("gate", [](const LinearVariant& v) { return to_string(v.gate()); })
+      .def_property_readonly("log_decay", &LinearVariant::log_decay_text)
+      .def_property_readonly("scale", &LinearVariant::scale)
+      .def("head_log_decays", &LinearVariant::head_log_decays, py::arg("heads"),
+           "per_head: log_decay at h = 0 .. heads - 1 (float64, rounded to float32).")
+      .def("__repr__", [](const LinearVariant& v) {
+        return "LinearVariant('" + v.name() + "', gate='" + std::string(to_string(v.gate())) +
+               "')";
+      });
 
   py::class_<KernelInfo>(m, "KernelInfo")
       .def_readonly("name", &KernelInfo::name)

@@ -1,6 +1,7 @@
 """flexc's Python module on the CPU: variants, errors, BlockMasks, ahead-of-time compilation and
 the float64 reference, against numpy (no GPU needed)."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -167,3 +168,45 @@ def test_linear_attention_backward_names_the_bad_argument():
     gates = np.zeros((1, 2, 8), dtype=np.float32)
     with pytest.raises(flexc.Error, match="g is set, dg is not"):
         flexc.linear_attention_backward(q, k, v, dout, dq, dk, dv, g=raw(gates, "float32"))
+
+
+def test_linear_variants_from_the_catalogue():
+    assert flexc.LinearVariant.catalogue_names() == ["gla", "linear", "retnet", "simple_gla"]
+    retnet = flexc.LinearVariant.load("@retnet")
+    assert retnet.name == "retnet" and retnet.gate == "per_head" and retnet.scale is None
+    assert "h" in retnet.log_decay and "RetNet" in retnet.description
+    want = [np.float32(math.log(1 - 2 ** (-5 - h))) for h in range(3)]
+    assert [np.float32(x) for x in retnet.head_log_decays(3)] == want
+    gates = {n: flexc.LinearVariant.load("@" + n).gate for n in ("gla", "simple_gla", "linear")}
+    assert gates == {"gla": "per_dim", "simple_gla": "per_step", "linear": "none"}
+    assert flexc.LinearVariant.load("@gla").log_decay == ""
+    with pytest.raises(flexc.Error, match="a per_dim gate has no per-head decay"):
+        flexc.LinearVariant.load("@gla").head_log_decays(2)
+    with pytest.raises(flexc.Error, match="unknown linear-attention catalogue entry @nope"):
+        flexc.LinearVariant.load("@nope")
+
+
+def test_linear_variant_json_configs_and_their_errors(tmp_path):
+    config = {"name": "halved", "kind": "linear", "gate": "per_head",
+              "log_decay": "-0.5 * (h + 1)", "scale": 0.25}
+    path = tmp_path / "halved.json"
+    path.write_text(json.dumps(config))
+    v = flexc.LinearVariant.load(str(path))
+    assert v.name == "halved" and v.gate == "per_head" and v.scale == 0.25
+    assert v.head_log_decays(2) == [-0.5, -1.0]
+
+    def error(**changes):
+        with pytest.raises(flexc.Error) as e:
+            flexc.LinearVariant.from_json(json.dumps({**config, **changes}), "mine.json")
+        assert isinstance(e.value, ValueError)
+        return str(e.value)
+
+    message = error(gate="per_hed")
+    assert message.startswith("mine.json: gate: ") and 'did you mean "per_head"' in message
+    message = error(log_decay="-0.01 * kv_idx")
+    assert "mine.json: log_decay: reads kv_idx" in message
+    assert "an expression of h alone" in message
+    # A positive decay is found where heads are known: by head_log_decays.
+    growing = flexc.LinearVariant.from_json(json.dumps({**config, "log_decay": "0.5 - h"}))
+    with pytest.raises(flexc.Error, match="log_decay is 0.5 at h = 0"):
+        growing.head_log_decays(2)

@@ -10,6 +10,7 @@ rounding to the input type costs (at most 2^-8 and 2^-11 relative per value, app
 operands on the way); a wrong kernel is off by O(1). The seed is fresh each run (FLEXC_SEED
 repeats one); -s prints it and each gradient's error. Skipped without torch or a GPU.
 """
+import json
 import os
 import random
 
@@ -131,9 +132,10 @@ def gate_source(kind, B, H, T, DK, gen):
 
 
 def check_gradients(gates, dtype, B, H, Hk, T, DK, DV, *, state=False, use_out=True,
-                    transposed=False, wrt=("q", "k", "v", "g", "h0")):
+                    transposed=False, wrt=("q", "k", "v", "g", "h0"), variant=None):
     """Gradients of sum(out * dout) (use_out) + sum(final_state * dstate) (state: with an initial
-    state h0) with respect to the inputs named in `wrt` (the others get none)."""
+    state h0) with respect to the inputs named in `wrt` (the others get none), and the output.
+    variant: linear_attention's, for flexc's run (a per_head variant makes its own decays)."""
     gen = torch.Generator(device="cuda").manual_seed(SEED)
 
     def randn(*shape):
@@ -165,10 +167,14 @@ def check_gradients(gates, dtype, B, H, Hk, T, DK, DV, *, state=False, use_out=T
         loss.backward()
         grads = {n: t.grad for n, t in leaves.items()}
         grads["dg"] = None if g is None else g.grad
+        grads["out"] = out.detach()
         return grads
 
     def flexc_run(q, k, v, g, h0):
-        return linear_attention(q, k, v, g, initial_state=h0, output_final_state=state)
+        if variant is not None and gates == "per_head":
+            g = None
+        return linear_attention(q, k, v, g, initial_state=h0, output_final_state=state,
+                                variant=variant)
 
     def gold_run(q, k, v, g, h0):
         if g is None:
@@ -179,6 +185,7 @@ def check_gradients(gates, dtype, B, H, Hk, T, DK, DV, *, state=False, use_out=T
 
     got = gradients(flexc_run, lambda t: t.detach().clone())
     want = gradients(gold_run, lambda t: t.detach().double())
+    assert rel_rmse(got["out"], want["out"]) < 1e-2, f"out (FLEXC_SEED={SEED})"
     errors = {}
     for n, t in inputs.items():
         if n not in wrt:
@@ -223,3 +230,52 @@ def test_gradients_of_the_final_state_alone(gates):
     # the final state does not depend on, does not require grad.
     check_gradients(gates, torch.bfloat16, B=2, H=2, Hk=2, T=100, DK=64, DV=64, state=True,
                     use_out=False, wrt=("k", "v", "g", "h0"))
+
+
+# ---- linear-attention configs (docs/linear.md, "Configs"): variant= decides g
+
+CATALOGUE_GATES = {"gla": "per_dim", "simple_gla": "per_step", "retnet": "per_head",
+                   "linear": "none"}
+
+
+@gpu
+@pytest.mark.parametrize("name", sorted(CATALOGUE_GATES))
+def test_catalogue_variants_match_the_recurrence(name):
+    # retnet's decays come from its config (the reference's from gate_source's formula, the
+    # same), so they are not trained: no g gradient.
+    gates = CATALOGUE_GATES[name]
+    wrt = ("q", "k", "v", "h0") + (("g",) if gates in ("per_dim", "per_step") else ())
+    check_gradients(gates, torch.bfloat16, B=1, H=2, Hk=2, T=70, DK=64, DV=64, state=True,
+                    wrt=wrt, variant="@" + name)
+
+
+@gpu
+def test_a_json_config_gives_its_decays_and_scale(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "kind": "linear", "gate": "per_head",
+                                "log_decay": "-0.1 * (h + 1)", "scale": 0.5}))
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    q, k, v = (torch.randn(1, 2, 70, 64, generator=gen, device="cuda").bfloat16()
+               for _ in range(3))
+    out, _ = linear_attention(q, k, v, variant=str(path))
+    g = torch.tensor([-0.1, -0.2], device="cuda").view(1, 2, 1).expand(1, 2, 70)
+    want, _ = linear_attention(q, k, v, g, scale=0.5)
+    torch.testing.assert_close(out, want)
+
+
+@gpu
+def test_a_variant_refuses_the_wrong_g():
+    q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+    step = torch.zeros(1, 2, 8, device="cuda")
+    with pytest.raises(flexc.Error, match=r"variant 'gla' has gate per_dim: g must be "
+                       r"\[B, H, T, DK\] = \[1, 2, 8, 64\]; got a tensor of shape \[1, 2, 8\]"):
+        linear_attention(q, q, q, step, variant="@gla")
+    with pytest.raises(flexc.Error, match=r"gate per_step: g must be \[B, H, T\] = \[1, 2, 8\]; "
+                       "got None"):
+        linear_attention(q, q, q, variant="@simple_gla")
+    with pytest.raises(flexc.Error, match="gate per_head: g must be None"):
+        linear_attention(q, q, q, step, variant=flexc.LinearVariant.load("@retnet"))
+    with pytest.raises(flexc.Error, match="gate none: g must be None"):
+        linear_attention(q, q, q, step, variant="@linear")
+    with pytest.raises(flexc.Error, match="variant must be a flexc.LinearVariant"):
+        linear_attention(q, q, q, variant=3)
