@@ -187,6 +187,21 @@ LinearAccuracy run_chunked(LinearCase& c) {
   return check_linear_accuracy(r, d.output(c), d.final_state(c));
 }
 
+// Every gate kind x strength x dtype on a small problem (T 150: two chunks and a part; H heads,
+// Hk k / v heads, an initial state), filled, for the reference's own checks.
+template <class Fn>
+void for_small_cases(int64_t H, int64_t Hk, Fn fn) {
+  for (Strength s : {Strength::Typical, Strength::Strong, Strength::Weak})
+    for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None})
+      for (DType dt : {DType::BF16, DType::F16}) {
+        LinearCase c;
+        c.dtype = dt, c.T = 150, c.DK = 16, c.DV = 8, c.H = H, c.Hk = Hk, c.gates = gates;
+        c.strength = s, c.initial = true;
+        c.fill();
+        fn(c);
+      }
+}
+
 // worst = max(worst, max |x - gold|), size = max(size, max |gold|).
 void max_abs(const std::vector<double>& gold, const std::vector<double>& x, double& worst,
              double& size) {
@@ -293,33 +308,28 @@ TEST_CASE("linear reference: the recurrence equals the naive parallel form", "[l
 
 TEST_CASE("linear reference: the chunkwise algorithm without rounding equals the recurrence",
           "[linear]") {
-  for (Strength s : {Strength::Typical, Strength::Strong, Strength::Weak})
-    for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None})
-      for (DType dt : {DType::BF16, DType::F16}) {
-        LinearCase c;
-        c.dtype = dt, c.T = 150, c.DK = 16, c.DV = 8, c.H = 2, c.Hk = 2, c.gates = gates;
-        c.strength = s, c.initial = true;
-        c.fill();
-        LinearReferenceProblem p = c.reference();
-        p.exact_ref = true;
-        const LinearReferenceResult r = reference_linear_attention(p);
-        double worst = 0, size = 0, state_size = 0;
-        max_abs(r.gold_out, r.ref_out, worst, size);
-        max_abs(r.gold_state, r.ref_state, worst, state_size);
-        INFO(c.describe());
-        CHECK(size > 0.1);
-        CHECK(worst < 1e-9 * std::max(1.0, size));
-        // With the kernels' roundings the error is that of the input type, not more.
-        p.exact_ref = false;
-        const LinearReferenceResult rr = reference_linear_attention(p);
-        const LinearAccuracy a =
-            check_linear_accuracy(rr, std::vector<float>(rr.ref_out.begin(), rr.ref_out.end()),
-                                  std::vector<float>(rr.ref_state.begin(), rr.ref_state.end()));
-        INFO(a.summary());
-        CHECK(a.pass);
-        CHECK(a.out_ref_rmse > 0);
-        CHECK(a.out_ref_rmse < (dt == DType::BF16 ? 2e-2 : 4e-3) * size);
-      }
+  for_small_cases(2, 2, [](LinearCase& c) {
+    const DType dt = c.dtype;
+    LinearReferenceProblem p = c.reference();
+    p.exact_ref = true;
+    const LinearReferenceResult r = reference_linear_attention(p);
+    double worst = 0, size = 0, state_size = 0;
+    max_abs(r.gold_out, r.ref_out, worst, size);
+    max_abs(r.gold_state, r.ref_state, worst, state_size);
+    INFO(c.describe());
+    CHECK(size > 0.1);
+    CHECK(worst < 1e-9 * std::max(1.0, size));
+    // With the kernels' roundings the error is that of the input type, not more.
+    p.exact_ref = false;
+    const LinearReferenceResult rr = reference_linear_attention(p);
+    const LinearAccuracy a =
+        check_linear_accuracy(rr, std::vector<float>(rr.ref_out.begin(), rr.ref_out.end()),
+                              std::vector<float>(rr.ref_state.begin(), rr.ref_state.end()));
+    INFO(a.summary());
+    CHECK(a.pass);
+    CHECK(a.out_ref_rmse > 0);
+    CHECK(a.out_ref_rmse < (dt == DType::BF16 ? 2e-2 : 4e-3) * size);
+  });
 }
 
 TEST_CASE("linear reference: the gradients equal finite differences", "[linear]") {
@@ -371,47 +381,43 @@ TEST_CASE("linear reference: the gradients equal finite differences", "[linear]"
 
 TEST_CASE("linear reference: the chunkwise backward without rounding equals the recurrence's",
           "[linear]") {
-  for (Strength s : {Strength::Typical, Strength::Strong, Strength::Weak})
-    for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None})
-      for (DType dt : {DType::BF16, DType::F16}) {
-        LinearCase c;
-        c.dtype = dt, c.T = 150, c.DK = 16, c.DV = 8, c.H = 4, c.Hk = 2, c.gates = gates;
-        c.strength = s, c.initial = true;
-        c.fill();
-        if (gates == Gates::PerDim) c.g[5] = -2e4f;  // clamped: no gradient
-        const std::vector<float> dout = normal(c.B * c.H * c.T * c.DV, dt);
-        const std::vector<float> dstate = normal(c.B * c.H * c.DK * c.DV, DType::F32);
-        LinearReferenceProblem p = c.reference();
-        p.exact_ref = true;
-        const LinearReferenceGradients r = reference_linear_attention_backward(p, dout, dstate);
-        INFO(c.describe());
-        auto same = [&](const char* name, const std::vector<double>& gold,
-                        const std::vector<double>& ref) {
-          REQUIRE(gold.size() == ref.size());
-          double worst = 0, size = 0;
-          max_abs(gold, ref, worst, size);
-          INFO(name << ": worst " << worst << ", max |gold| " << size);
-          CHECK(size > 0);
-          CHECK(worst < 1e-9 * std::max(1.0, size));
-        };
-        same("dq", r.gold.dq, r.ref.dq);
-        same("dk", r.gold.dk, r.ref.dk);
-        same("dv", r.gold.dv, r.ref.dv);
-        same("dh0", r.gold.dh0, r.ref.dh0);
-        if (gates != Gates::None) same("dg", r.gold.dg, r.ref.dg);
-        if (gates == Gates::PerDim) CHECK(r.ref.dg[5] == 0);
-        // Rounded, the reference passes its own rule, and its error is the input type's.
-        p.exact_ref = false;
-        const LinearReferenceGradients rr = reference_linear_attention_backward(p, dout, dstate);
-        const auto f = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
-        const BackwardAccuracy a = check_linear_gradients(
-            rr, f(rr.ref.dq), f(rr.ref.dk), f(rr.ref.dv), f(rr.ref.dg), f(rr.ref.dh0));
-        INFO(a.summary());
-        CHECK(a.pass);
-        // (dh0 can be exact: without gates and with scale 1/4 nothing it sums is rounded.)
-        for (const GradientAccuracy& g : a.grads)
-          if (g.name != "dh0") CHECK(g.ref_rmse > 0);
-      }
+  for_small_cases(4, 2, [](LinearCase& c) {
+    const DType dt = c.dtype;
+    const Gates gates = c.gates;
+    if (gates == Gates::PerDim) c.g[5] = -2e4f;  // clamped: no gradient
+    const std::vector<float> dout = normal(c.B * c.H * c.T * c.DV, dt);
+    const std::vector<float> dstate = normal(c.B * c.H * c.DK * c.DV, DType::F32);
+    LinearReferenceProblem p = c.reference();
+    p.exact_ref = true;
+    const LinearReferenceGradients r = reference_linear_attention_backward(p, dout, dstate);
+    INFO(c.describe());
+    auto same = [&](const char* name, const std::vector<double>& gold,
+                    const std::vector<double>& ref) {
+      REQUIRE(gold.size() == ref.size());
+      double worst = 0, size = 0;
+      max_abs(gold, ref, worst, size);
+      INFO(name << ": worst " << worst << ", max |gold| " << size);
+      CHECK(size > 0);
+      CHECK(worst < 1e-9 * std::max(1.0, size));
+    };
+    same("dq", r.gold.dq, r.ref.dq);
+    same("dk", r.gold.dk, r.ref.dk);
+    same("dv", r.gold.dv, r.ref.dv);
+    same("dh0", r.gold.dh0, r.ref.dh0);
+    if (gates != Gates::None) same("dg", r.gold.dg, r.ref.dg);
+    if (gates == Gates::PerDim) CHECK(r.ref.dg[5] == 0);
+    // Rounded, the reference passes its own rule, and its error is the input type's.
+    p.exact_ref = false;
+    const LinearReferenceGradients rr = reference_linear_attention_backward(p, dout, dstate);
+    const auto f = [](const std::vector<double>& x) { return std::vector<float>(x.begin(), x.end()); };
+    const BackwardAccuracy a = check_linear_gradients(
+        rr, f(rr.ref.dq), f(rr.ref.dk), f(rr.ref.dv), f(rr.ref.dg), f(rr.ref.dh0));
+    INFO(a.summary());
+    CHECK(a.pass);
+    // (dh0 can be exact: without gates and with scale 1/4 nothing it sums is rounded.)
+    for (const GradientAccuracy& g : a.grads)
+      if (g.name != "dh0") CHECK(g.ref_rmse > 0);
+  });
 }
 
 TEST_CASE("linear reference: sizes and positive gates are errors", "[linear]") {
