@@ -5,8 +5,11 @@
 // struct below is spelled token for token as it is there (one definition rule).
 #pragma once
 
+#include <algorithm>
 #include <span>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace flexc::detail {
 
@@ -14,5 +17,23 @@ struct EmbeddedFile {
   std::string_view kind, name, text;
 };
 std::span<const EmbeddedFile> embedded_files();
+
+// The catalogues' lookups (kind "catalogue" or "linear"): entry `name` (the file name.json), or
+// null; every entry's name, sorted.
+inline const EmbeddedFile* catalogue_entry(std::string_view kind, std::string_view name) {
+  for (const EmbeddedFile& f : embedded_files())
+    if (f.kind == kind && f.name.size() == name.size() + 5 && f.name.starts_with(name) &&
+        f.name.ends_with(".json"))
+      return &f;
+  return nullptr;
+}
+inline std::vector<std::string> catalogue_entries(std::string_view kind) {
+  std::vector<std::string> names;
+  for (const EmbeddedFile& f : embedded_files())
+    if (f.kind == kind && f.name.ends_with(".json"))
+      names.emplace_back(f.name.substr(0, f.name.size() - 5));
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 }  // namespace flexc::detail

@@ -442,11 +442,7 @@ Variant finish(VariantImpl impl, std::string_view where) {
 // ---- the catalogue
 
 const EmbeddedFile* catalogue_file(std::string_view name) {
-  for (const EmbeddedFile& f : embedded_files())
-    if (f.kind == "catalogue" && f.name.size() == name.size() + 5 && f.name.starts_with(name) &&
-        f.name.ends_with(".json"))
-      return &f;
-  return nullptr;
+  return catalogue_entry("catalogue", name);
 }
 
 std::string unknown_entry(std::string_view name) {
@@ -625,12 +621,7 @@ Variant Variant::load(std::string_view config) {
 }
 
 std::vector<std::string> Variant::catalogue_names() {
-  std::vector<std::string> names;
-  for (const detail::EmbeddedFile& f : detail::embedded_files())
-    if (f.kind == "catalogue" && f.name.ends_with(".json"))
-      names.emplace_back(f.name.substr(0, f.name.size() - 5));
-  std::sort(names.begin(), names.end());
-  return names;
+  return detail::catalogue_entries("catalogue");
 }
 
 const std::string& Variant::name() const { return impl_->name; }

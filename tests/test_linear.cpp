@@ -202,6 +202,20 @@ void for_small_cases(int64_t H, int64_t Hk, Fn fn) {
       }
 }
 
+// Every dtype x head-dim pair x gate kind the kernels build, numbered (i) so that a sweep can vary
+// lengths, heads and states across them.
+template <class Fn>
+void for_kernel_configs(Fn fn) {
+  int i = 0;
+  for (DType dt : {DType::BF16, DType::F16})
+    for (auto [dk, dv] : {std::pair{64, 64}, {128, 128}, {128, 64}})
+      for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None}) {
+        LinearCase c;
+        c.dtype = dt, c.DK = dk, c.DV = dv, c.gates = gates;
+        fn(c, i++);
+      }
+}
+
 // worst = max(worst, max |x - gold|), size = max(size, max |gold|).
 void max_abs(const std::vector<double>& gold, const std::vector<double>& x, double& worst,
              double& size) {
@@ -602,21 +616,15 @@ TEST_CASE("linear attention matches the float64 reference: gates, dtypes, head d
           "[linear][gpu]") {
   SKIP_WITHOUT_GPU();
   const int64_t lengths[] = {1, 63, 64, 65, 1000, 4096};
-  int i = 0;
-  for (DType dt : {DType::BF16, DType::F16})
-    for (auto [dk, dv] : {std::pair{64, 64}, {128, 128}, {128, 64}})
-      for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None}) {
-        LinearCase c;
-        c.dtype = dt, c.DK = dk, c.DV = dv, c.gates = gates;
-        c.T = lengths[i % 6];
-        c.initial = i % 2 == 0;
-        c.H = i % 3 == 0 ? 4 : 2, c.Hk = i % 3 == 0 ? 2 : c.H;  // GQA every third case
-        c.B = c.T <= 1000 ? 2 : 1;
-        ++i;
-        const LinearAccuracy a = run_chunked(c);
-        INFO(c.describe() << ": " << a.summary());
-        CHECK(a.pass);
-      }
+  for_kernel_configs([&](LinearCase& c, int i) {
+    c.T = lengths[i % 6];
+    c.initial = i % 2 == 0;
+    c.H = i % 3 == 0 ? 4 : 2, c.Hk = i % 3 == 0 ? 2 : c.H;  // GQA every third case
+    c.B = c.T <= 1000 ? 2 : 1;
+    const LinearAccuracy a = run_chunked(c);
+    INFO(c.describe() << ": " << a.summary());
+    CHECK(a.pass);
+  });
 }
 
 TEST_CASE("linear attention: strong and weak gates, every length around a chunk", "[linear][gpu]") {
@@ -724,21 +732,15 @@ TEST_CASE("linear attention backward matches the float64 reference: gates, dtype
           "lengths", "[linear][gpu]") {
   SKIP_WITHOUT_GPU();
   const int64_t lengths[] = {1, 63, 64, 65, 1000};
-  int i = 0;
-  for (DType dt : {DType::BF16, DType::F16})
-    for (auto [dk, dv] : {std::pair{64, 64}, {128, 128}, {128, 64}})
-      for (Gates gates : {Gates::PerDim, Gates::PerStep, Gates::PerHead, Gates::None}) {
-        LinearCase c;
-        c.dtype = dt, c.DK = dk, c.DV = dv, c.gates = gates;
-        c.T = lengths[i % 5];
-        c.B = 1 + i % 2, c.H = 2, c.Hk = i % 3 == 0 ? 1 : 2;  // GQA every third case
-        c.initial = i % 2 == 0;
-        const bool dstate = i % 4 != 1;
-        ++i;
-        const BackwardAccuracy a = run_backward(c, dstate);
-        INFO(c.describe() << (dstate ? ", final state's gradient" : "") << ": " << a.summary());
-        CHECK(a.pass);
-      }
+  for_kernel_configs([&](LinearCase& c, int i) {
+    c.T = lengths[i % 5];
+    c.B = 1 + i % 2, c.H = 2, c.Hk = i % 3 == 0 ? 1 : 2;  // GQA every third case
+    c.initial = i % 2 == 0;
+    const bool dstate = i % 4 != 1;
+    const BackwardAccuracy a = run_backward(c, dstate);
+    INFO(c.describe() << (dstate ? ", final state's gradient" : "") << ": " << a.summary());
+    CHECK(a.pass);
+  });
 }
 
 TEST_CASE("linear attention backward: strong and weak gates, lengths around a chunk, 4096",

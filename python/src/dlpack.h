@@ -57,6 +57,12 @@ class Borrowed {
   // CUDA device index), which flexc.torch reads off torch tensors it has checked are on the GPU
   // (torch's __dlpack__ costs about 25 us a tensor in Python; this, about 1).
   TensorView view(pybind11::handle obj, const std::string& name, int64_t stream, bool cuda);
+  // The same for an optional argument: None gives no view.
+  std::optional<TensorView> view_or_none(pybind11::handle obj, const std::string& name,
+                                         int64_t stream, bool cuda) {
+    if (obj.is_none()) return std::nullopt;
+    return view(obj, name, stream, cuda);
+  }
   // The CUDA device of the CUDA tensors seen so far (-1: none yet); views on two devices are an
   // error.
   int device() const { return device_; }

@@ -460,11 +460,11 @@ PYBIND11_MODULE(_flexc, m) {
         cache.k = view(k, "k");
         cache.v = view(v, "v");
         cache.kv_lens = view(kv_lens, "kv_lens");
-        if (!page_table.is_none()) cache.page_table = view(page_table, "page_table");
-        if (!q_offsets.is_none()) cache.q_offsets = view(q_offsets, "q_offsets");
+        cache.page_table = b.view_or_none(page_table, "page_table", st.dlpack, true);
+        cache.q_offsets = b.view_or_none(q_offsets, "q_offsets", st.dlpack, true);
         DecodeOptions o;
         set_common(o, b, st, captures, params, scale);
-        if (!lse.is_none()) o.lse = view(lse, "lse");
+        o.lse = b.view_or_none(lse, "lse", st.dlpack, true);
         o.num_splits = num_splits;
         o.max_kv_len = max_kv_len;
         o.check_device_args = check_device_args;
@@ -495,9 +495,9 @@ PYBIND11_MODULE(_flexc, m) {
         const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
                          to = view(out, "out");
         LinearOptions o;
-        if (!g.is_none()) o.g = view(g, "g");
-        if (!initial_state.is_none()) o.initial_state = view(initial_state, "initial_state");
-        if (!final_state.is_none()) o.final_state = view(final_state, "final_state");
+        o.g = b.view_or_none(g, "g", st.dlpack, true);
+        o.initial_state = b.view_or_none(initial_state, "initial_state", st.dlpack, true);
+        o.final_state = b.view_or_none(final_state, "final_state", st.dlpack, true);
         o.scale = scale;
         o.stream = st.cuda;
         o.workspace = workspace_from(workspace);
@@ -526,13 +526,13 @@ PYBIND11_MODULE(_flexc, m) {
         grads.dq = view(dq, "dq");
         grads.dk = view(dk, "dk");
         grads.dv = view(dv, "dv");
-        if (!dg.is_none()) grads.dg = view(dg, "dg");
-        if (!d_initial_state.is_none())
-          grads.d_initial_state = view(d_initial_state, "d_initial_state");
+        grads.dg = b.view_or_none(dg, "dg", st.dlpack, true);
+        grads.d_initial_state =
+            b.view_or_none(d_initial_state, "d_initial_state", st.dlpack, true);
         LinearBackwardOptions o;
-        if (!g.is_none()) o.g = view(g, "g");
-        if (!initial_state.is_none()) o.initial_state = view(initial_state, "initial_state");
-        if (!d_final_state.is_none()) o.d_final_state = view(d_final_state, "d_final_state");
+        o.g = b.view_or_none(g, "g", st.dlpack, true);
+        o.initial_state = b.view_or_none(initial_state, "initial_state", st.dlpack, true);
+        o.d_final_state = b.view_or_none(d_final_state, "d_final_state", st.dlpack, true);
         o.scale = scale;
         o.stream = st.cuda;
         o.workspace = workspace_from(workspace);
@@ -558,7 +558,7 @@ PYBIND11_MODULE(_flexc, m) {
         const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
                          ts = view(state, "state"), to = view(out, "out");
         LinearOptions o;
-        if (!g.is_none()) o.g = view(g, "g");
+        o.g = b.view_or_none(g, "g", st.dlpack, true);
         o.scale = scale;
         o.stream = st.cuda;
         py::gil_scoped_release release;

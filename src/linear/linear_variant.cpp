@@ -31,11 +31,7 @@ struct LinearVariant::Impl {
 namespace {
 
 const detail::EmbeddedFile* catalogue_file(std::string_view name) {
-  for (const detail::EmbeddedFile& f : detail::embedded_files())
-    if (f.kind == "linear" && f.name.size() == name.size() + 5 && f.name.starts_with(name) &&
-        f.name.ends_with(".json"))
-      return &f;
-  return nullptr;
+  return detail::catalogue_entry("linear", name);
 }
 
 LinearGate gate_of(const std::string& s) {
@@ -98,12 +94,7 @@ LinearVariant LinearVariant::from_catalogue(std::string_view name) {
 }
 
 std::vector<std::string> LinearVariant::catalogue_names() {
-  std::vector<std::string> names;
-  for (const detail::EmbeddedFile& f : detail::embedded_files())
-    if (f.kind == "linear" && f.name.ends_with(".json"))
-      names.emplace_back(f.name.substr(0, f.name.size() - 5));
-  std::sort(names.begin(), names.end());
-  return names;
+  return detail::catalogue_entries("linear");
 }
 
 bool LinearVariant::is_linear_config(std::string_view config) {
