@@ -329,39 +329,71 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kOutThreads, 1)
 }
 
 // ---- The recurrent step: grid (kDV / 64, heads, batch), 256 threads; the state (h0 == ht) is
-// updated in place over the call's seq_len tokens, one after the other.
+// updated in place over the call's seq_len tokens, one after the other. Each thread holds four
+// adjacent value dims of kDK / 16 adjacent key dims, so a warp reads and writes the state in
+// 16-byte pieces of two 256-byte rows; the token's q, k and decays pass through shared memory
+// (one exponential per key dim and CTA, not per thread), and o's sum over the key dims runs in
+// the thread, across the warp's two row groups by a shuffle, then across warps.
 extern "C" __global__ void __launch_bounds__(256) flexc_gla_step(const FlexcGlaParams p) {
   using namespace flexc_gla;
-  constexpr int kGroups = 4, kPer = kDK / kGroups;  // key dims dk = group + 4 m
-  __shared__ float part[kGroups][64];
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int c = threadIdx.x % 64, grp = threadIdx.x / 64, dv = blockIdx.x * 64 + c;
-  float* state = p.ht + state_offset(p, b, h) + dv;
-  float s[kPer];
+  constexpr int kRows = kDK / 16, kWarps = 8;
+  __shared__ __align__(16) float qkd[3][kDK];  // q, k, decay of the token
+  __shared__ __align__(16) float part[kWarps][64];
+  const int h = blockIdx.y, b = blockIdx.z, tid = threadIdx.x, lane = tid % 32;
+  const int quad = tid % 16, dk0 = tid / 16 * kRows, col = quad * 4;
+  float* state = p.ht + state_offset(p, b, h) + dk0 * kDV + blockIdx.x * 64 + col;
+  float s[kRows][4];
 #pragma unroll
-  for (int m = 0; m < kPer; ++m) s[m] = state[(grp + kGroups * m) * kDV];
+  for (int m = 0; m < kRows; ++m) {
+    const float4 f = *reinterpret_cast<const float4*>(state + m * kDV);
+    s[m][0] = f.x, s[m][1] = f.y, s[m][2] = f.z, s[m][3] = f.w;
+  }
   const HeadRows x = head_rows(p, b, h);
-  const unsigned short *qp = x.q, *kp = x.k, *vp = x.v;
-  unsigned short* op = static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1];
+  unsigned short* op = static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] +
+                       blockIdx.x * 64;
   for (int t = 0; t < p.seq_len; ++t) {
-    const float vt = unpack_lo<kBf16>(__ldg(vp + t * p.v_stride[2] + dv));
-    float acc = 0.f;
-#pragma unroll
-    for (int m = 0; m < kPer; ++m) {
-      const int dk = grp + kGroups * m;
-      const float decay = kGate ? exp2_approx(gate_at(p, b, h, t, dk) * kLog2e) : 1.f;
-      s[m] = fmaf(s[m], decay, unpack_lo<kBf16>(__ldg(kp + t * p.k_stride[2] + dk)) * vt);
-      acc = fmaf(unpack_lo<kBf16>(__ldg(qp + t * p.q_stride[2] + dk)), s[m], acc);
+    if (tid < kDK) {
+      qkd[0][tid] = unpack_lo<kBf16>(__ldg(x.q + t * p.q_stride[2] + tid));
+      qkd[1][tid] = unpack_lo<kBf16>(__ldg(x.k + t * p.k_stride[2] + tid));
+      qkd[2][tid] = kGate ? exp2_approx(gate_at(p, b, h, t, tid) * kLog2e) : 1.f;
     }
-    part[grp][c] = acc;
+    const uint2 vv =
+        __ldg(reinterpret_cast<const uint2*>(x.v + t * p.v_stride[2] + blockIdx.x * 64 + col));
+    const float v[4] = {unpack_lo<kBf16>(vv.x), unpack_hi<kBf16>(vv.x), unpack_lo<kBf16>(vv.y),
+                        unpack_hi<kBf16>(vv.y)};
     __syncthreads();
-    if (grp == 0) {
-      const float sum = (part[0][c] + part[1][c]) + (part[2][c] + part[3][c]);
-      op[t * p.o_stride[2] + dv] =
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int m4 = 0; m4 < kRows; m4 += 4) {
+      const float4 q4 = *reinterpret_cast<const float4*>(&qkd[0][dk0 + m4]);
+      const float4 k4 = *reinterpret_cast<const float4*>(&qkd[1][dk0 + m4]);
+      const float4 d4 = *reinterpret_cast<const float4*>(&qkd[2][dk0 + m4]);
+      const float qs[4] = {q4.x, q4.y, q4.z, q4.w}, ks[4] = {k4.x, k4.y, k4.z, k4.w},
+                  ds[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          s[m4 + r][c] = fmaf(s[m4 + r][c], ds[r], ks[r] * v[c]);
+          acc[c] = fmaf(qs[r], s[m4 + r][c], acc[c]);
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], 16);
+    if (lane < 16)
+      *reinterpret_cast<float4*>(&part[tid / 32][col]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    // Also orders this token's reads of qkd before the next token's writes.
+    __syncthreads();
+    if (tid < 64) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += part[w][tid];
+      op[t * p.o_stride[2] + tid] =
           static_cast<unsigned short>(pack2<kBf16>(sum * p.scale, 0.f) & 0xffffu);
     }
-    __syncthreads();
   }
 #pragma unroll
-  for (int m = 0; m < kPer; ++m) state[(grp + kGroups * m) * kDV] = s[m];
+  for (int m = 0; m < kRows; ++m)
+    *reinterpret_cast<float4*>(state + m * kDV) = make_float4(s[m][0], s[m][1], s[m][2], s[m][3]);
 }

@@ -508,7 +508,8 @@ TEST_CASE("linear attention arguments are checked and named before any GPU work"
     }
     return std::string("no error");
   };
-  CHECK_THAT(bwd(grads, {}), Contains("flexc::linear_attention_backward"));
+  // Valid arguments get as far as the GPU (never launched here: the pointers are fake).
+  if (!gpu_available()) CHECK_THAT(bwd(grads, {}), Contains("flexc::linear_attention_backward"));
   LinearGradients bad = grads;
   bad.dk = g16(16384, {2, 2, 10, 128});
   CHECK_THAT(bwd(bad, {}), Contains("dk must have the shape of k"));

@@ -9,6 +9,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}; LOGS=/tmp/flexc-gpu-logs; mkdir -p "$OUT" "$LOGS"
 export LD_LIBRARY_PATH=$PWD/.carry/lib:${LD_LIBRARY_PATH:-}
 export FLEXC_CACHE_DIR=/tmp/flexc-cache
+export FLEXC_BINARY_DIR=$PWD/.carry/bin  # the flexc that tests/test_cli.cpp runs
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 spec=${1:-[gpu]}
 # One process per test case: the cases of one binary compile different kernels.
