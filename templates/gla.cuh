@@ -34,10 +34,14 @@ namespace flexc_gla {
 
 constexpr int kOutThreads = 256;
 constexpr int kOutCols = kDV / 2;  // output columns per warp
-// q, k, v, the state, gc; with per-dim gates also the steep masks (in 128 bytes) and Khat.
+// q, k, a region for the state and v, gc; with per-dim gates also the steep masks (in 128 bytes).
+// One gate per step: the region holds the state, then v. Per-dim gates: the state, then in its
+// place Khat and v (v is loaded once the state part is done): two CTAs per SM at DK = DV = 128.
+constexpr int kRegion = kScalar ? STile::kBytes + VTile::kBytes
+                        : STile::kBytes > QTile::kBytes + VTile::kBytes ? STile::kBytes
+                                                                        : QTile::kBytes + VTile::kBytes;
 constexpr int kOutputSmem =
-    2 * QTile::kBytes + VTile::kBytes + STile::kBytes +
-    (kScalar ? kChunk * 4 : kChunk * kGcStride * 4 + 128 + QTile::kBytes);
+    2 * QTile::kBytes + kRegion + (kScalar ? kChunk * 4 : kChunk * kGcStride * 4 + 128);
 static_assert(kScalar || 4 * 32 * (kChunk / 8) * 4 * 4 <= kChunk * kGcStride * 4,
               "A's partial sums are exchanged through gc's space");
 
@@ -64,15 +68,38 @@ __device__ __forceinline__ void q_fragment(unsigned (&a)[4], unsigned char* q_ti
 // Gates per key dim. Warp (w, half): its rows' state part, (q * exp(gc)) S_n * scale, for its
 // output columns into o; A * scale for its 16 rows (zero right of the diagonal) into att, the two
 // warps of a row block each summing half of the key dims and exchanging the partial sums. The gc
-// tile is in shared memory; Khat and Kcheck are made here (the k tile ends as Kcheck).
+// tile is in shared memory; Khat and Kcheck are made here (Khat over the state tile once the state
+// part is done, Kcheck over k).
 __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned char* q_tile,
                                                unsigned char* k_tile, unsigned char* kh_tile,
-                                               unsigned char* s_tile, float* gc, unsigned* steep,
-                                               const unsigned short* kp, int t0,
+                                               unsigned char* s_tile, unsigned char* v_tile,
+                                               float* gc, unsigned* steep, const HeadRows& rows,
+                                               int t0,
                                                float (&o)[1][kOutCols / 8][4],
                                                float (&att)[1][kChunk / 8][4]) {
   const int tid = threadIdx.x, warp = tid / 32, w = warp % 4, half = warp / 4;
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const float scale = p.scale;
+  const unsigned kt = smem_addr(k_tile), kht = smem_addr(kh_tile), stt = smem_addr(s_tile);
+  const FragAddr<QTile> frag_nk = FragAddr<QTile>::b_nk();
+  const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
+  auto none = [](int) { return false; };
+  const int col0 = half * kOutCols;
+
+  // The state part first: Khat is then made in the state tile's place.
+#pragma unroll
+  for (int kk = 0; kk < kDK; kk += 16) {
+    unsigned a[1][4];
+    q_fragment(a[0], q_tile, gc, w, kk, nullptr, none);
+    mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
+      ldmatrix_x4_trans(bf, frag_s(stt, kk, (col0 + nn) / 8));
+    });
+  }
+#pragma unroll
+  for (int j = 0; j < kOutCols / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][j][e] *= scale;
+
   // The steep dims of each diagonal block, one key dim per thread.
   if (tid < kDK) {
 #pragma unroll
@@ -82,7 +109,11 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
       if (lane == 0) steep[s * kMaskWords + warp] = m;
     }
   }
+  cp_async_wait<0>();  // k (flexc_gla_output's second group)
   __syncthreads();
+  // The state is read: v into its place, beside Khat (waited for before A V).
+  TileCopy<VTile, kOutThreads>()(smem_addr(v_tile), rows.v, p.v_stride[2], t0, p.seq_len);
+  cp_async_commit();
 
   // Khat and Kcheck, two adjacent key dims at a time.
   for (int e = tid; e < kChunk * kDK / 2; e += kOutThreads) {
@@ -100,25 +131,6 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
   }
   __syncthreads();
 
-  const float scale = p.scale;
-  const unsigned kt = smem_addr(k_tile), kht = smem_addr(kh_tile), stt = smem_addr(s_tile);
-  const FragAddr<QTile> frag_nk = FragAddr<QTile>::b_nk();
-  const FragAddr<STile> frag_s = FragAddr<STile>::b_kn();
-  auto none = [](int) { return false; };
-  const int col0 = half * kOutCols;
-
-#pragma unroll
-  for (int kk = 0; kk < kDK; kk += 16) {
-    unsigned a[1][4];
-    q_fragment(a[0], q_tile, gc, w, kk, nullptr, none);
-    mma_rows<kBf16>(o, a, [&](unsigned(&bf)[4], int nn) {
-      ldmatrix_x4_trans(bf, frag_s(stt, kk, (col0 + nn) / 8));
-    });
-  }
-#pragma unroll
-  for (int j = 0; j < kOutCols / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][j][e] *= scale;
 
   // Key block J, this warp's half of the key dims: q against Khat_J (exponents against J's last
   // row) or, on the diagonal, against Kcheck (exponents against the block's first row).
@@ -164,7 +176,7 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
           const int i = J * kSub + g + (x >> 2) * 8;
           const int j = J * kSub + (x & 3) / 2 * 8 + 2 * t4 + (x & 1);
           if (j > i || t0 + j >= p.seq_len) continue;
-          const float kj = unpack_lo<kBf16>(__ldg(kp + (t0 + j) * p.k_stride[2] + d));
+          const float kj = unpack_lo<kBf16>(__ldg(rows.k + (t0 + j) * p.k_stride[2] + d));
           const float qi = unpack_lo<kBf16>(*elem<QTile>(q_tile, i, d));
           att[0][2 * J + (x & 3) / 2][(x >> 2) * 2 + (x & 1)] +=
               qi * kj * exp2_approx(gc[i * kGcStride + d] - gc[j * kGcStride + d]);
@@ -261,36 +273,39 @@ __device__ __forceinline__ void scalar_scores(const FlexcGlaParams& p, unsigned 
 
 }  // namespace flexc_gla
 
-extern "C" __global__ void __launch_bounds__(flexc_gla::kOutThreads, 1)
+extern "C" __global__ void __launch_bounds__(flexc_gla::kOutThreads, 2)
     flexc_gla_output(const FlexcGlaParams p) {
   using namespace flexc_gla;
   extern __shared__ __align__(128) unsigned char smem[];
   unsigned char* q_tile = smem;
   unsigned char* k_tile = q_tile + QTile::kBytes;  // k (per-dim gates: then Kcheck, in place)
-  unsigned char* v_tile = k_tile + QTile::kBytes;
-  unsigned char* s_tile = v_tile + VTile::kBytes;
-  float* gc = reinterpret_cast<float*>(s_tile + STile::kBytes);  // log2 units
-  // Per-dim gates: gc [64][kGcStride], the steep masks [4][kMaskWords] (in 128 bytes), Khat =
-  // k * exp(gc_e - gc).
+  unsigned char* s_tile = k_tile + QTile::kBytes;
+  // Per-dim gates: Khat = k * exp(gc_e - gc) over the state, v after it.
+  unsigned char* kh_tile = s_tile;
+  unsigned char* v_tile = s_tile + (kScalar ? STile::kBytes : QTile::kBytes);
+  float* gc = reinterpret_cast<float*>(s_tile + kRegion);  // log2 units
+  // Per-dim gates: gc [64][kGcStride], the steep masks [4][kMaskWords] (in 128 bytes).
   unsigned* steep = reinterpret_cast<unsigned*>(gc + kChunk * kGcStride);
-  unsigned char* kh_tile = reinterpret_cast<unsigned char*>(steep) + 128;
 
   const int n = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int t0 = n * kChunk;
   const int tid = threadIdx.x, warp = tid / 32, w = warp % 4, col0 = warp / 4 * kOutCols;
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const HeadRows x = head_rows(p, b, h);
-  const unsigned short *qp = x.q, *kp = x.k, *vp = x.v;
   const unsigned short* sp = static_cast<const unsigned short*>(p.states) +
                              state_offset(p, b, h) * p.chunks +
                              static_cast<long long>(n) * kDK * kDV;
-  TileCopy<QTile, kOutThreads>()(smem_addr(q_tile), qp, p.q_stride[2], t0, p.seq_len);
-  TileCopy<QTile, kOutThreads>()(smem_addr(k_tile), kp, p.k_stride[2], t0, p.seq_len);
-  TileCopy<VTile, kOutThreads>()(smem_addr(v_tile), vp, p.v_stride[2], t0, p.seq_len);
+  // What the state part reads (q, the state, gc), then k (and, one gate per step, v): per-dim
+  // gates need k only after the state part (per_dim_scores waits for it, then loads v).
+  TileCopy<QTile, kOutThreads>()(smem_addr(q_tile), x.q, p.q_stride[2], t0, p.seq_len);
   TileCopy<STile, kOutThreads>()(smem_addr(s_tile), sp, kDV, 0, kDK);
   copy_gc<kOutThreads>(gc, p, b, h, n);
   cp_async_commit();
-  cp_async_wait<0>();
+  TileCopy<QTile, kOutThreads>()(smem_addr(k_tile), x.k, p.k_stride[2], t0, p.seq_len);
+  if constexpr (kScalar)
+    TileCopy<VTile, kOutThreads>()(smem_addr(v_tile), x.v, p.v_stride[2], t0, p.seq_len);
+  cp_async_commit();
+  cp_async_wait<kScalar ? 0 : 1>();
   __syncthreads();
 
   float o[1][kOutCols / 8][4], att[1][kChunk / 8][4];
@@ -299,7 +314,9 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kOutThreads, 1)
   if constexpr (kScalar) {
     scalar_scores(p, q_tile, k_tile, s_tile, gc, o, att);
   } else {
-    per_dim_scores(p, q_tile, k_tile, kh_tile, s_tile, gc, steep, kp, t0, o, att);
+    per_dim_scores(p, q_tile, k_tile, kh_tile, s_tile, v_tile, gc, steep, x, t0, o, att);
+    cp_async_wait<0>();  // v
+    __syncthreads();
   }
 
   // o += A V over the key blocks up to the diagonal, this warp's output columns.

@@ -45,11 +45,13 @@ jit::KernelSpec gla_spec(const GlaConfig& c) {
 }
 
 size_t gla_output_smem(int dk, int dv, bool scalar_gate) {
-  // q, k: 64 x dk; v: 64 x dv; the chunk state dk x dv, all 16-bit; gc: 64 floats, or per key
-  // dim 64 x (dk + 8) floats, the steep-dim masks of the four diagonal blocks (in 128 bytes) and
-  // Khat (64 x dk, 16-bit).
-  const size_t tiles = size_t(2 * 64 * dk + 64 * dv + dk * dv) * 2;
-  return tiles + (scalar_gate ? 64 * 4 : size_t(64 * (dk + 8)) * 4 + 128 + size_t(64 * dk) * 2);
+  // q, k: 64 x dk; the chunk state dk x dv and v 64 x dv (per key dim gates: the state, then in
+  // its place Khat 64 x dk and v), all 16-bit; gc: 64 floats, or per key dim 64 x (dk + 8) floats
+  // and the steep-dim masks of the four diagonal blocks (in 128 bytes).
+  const size_t region =
+      scalar_gate ? size_t(dk * dv + 64 * dv) : std::max<size_t>(dk * dv, 64 * (dk + dv));
+  const size_t tiles = (size_t(2 * 64 * dk) + region) * 2;
+  return tiles + (scalar_gate ? 64 * 4 : size_t(64 * (dk + 8)) * 4 + 128);
 }
 
 size_t gla_backward_smem(int dk, int dv, bool scalar_gate) {
