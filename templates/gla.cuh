@@ -131,7 +131,6 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
   }
   __syncthreads();
 
-
   // Key block J, this warp's half of the key dims: q against Khat_J (exponents against J's last
   // row) or, on the diagonal, against Kcheck (exponents against the block's first row).
   constexpr int kHalfDK = kDK / 2;
