@@ -169,7 +169,8 @@ class Checker {
     if (values) {
       for (const LetBinding& l : tree_.lets)  // in source order, for a stable suggestion
         if (lets_.count(l.name)) out.emplace_back(l.name);
-      for (int i = 0; i < kNumInputs; ++i)
+      if (kind_ == ModKind::Map) out.emplace_back("x");
+      for (int i = 0; i < kNumInputs && kind_ != ModKind::Map; ++i)
         if (kind_ == ModKind::Score || static_cast<Input>(i) != Input::Score)
           out.emplace_back(input_name(static_cast<Input>(i)));
       for (const ParamDecl& p : decls_.params) out.push_back(p.name);
@@ -205,7 +206,14 @@ class Checker {
       error(n.range, fmt::format("'{}' is used in its own definition", clip(name)));
       return {};
     }
-    if (const auto in = find_input(name)) {
+    if (kind_ == ModKind::Map) {
+      if (name == "x") return made(g_.input(Input::Score), n);
+      if (find_input(name)) {
+        error(n.range, fmt::format("a feature map is an expression of x alone; '{}' is not visible "
+                                   "here", name));
+        return {};
+      }
+    } else if (const auto in = find_input(name)) {
       if (*in == Input::Score && kind_ == ModKind::Mask) {
         error(n.range, "`score` is only visible in score_mod",
               "a mask_mod decides from b, h, q_idx, kv_idx, q_len and kv_len");
@@ -525,6 +533,9 @@ class Checker {
     const Checked& r = vals_[tree_.result];
     if (!r.ok) return;
     const SrcRange where = tree_.nodes[tree_.result].range;
+    if (kind_ == ModKind::Map && r.type != Type::Float)
+      error(where, fmt::format("a feature map must be float, got {}", type_name(r.type)),
+            r.type == Type::Int ? "write float(...)" : "write where(cond, a, b) for a choice");
     if (kind_ == ModKind::Score && r.type != Type::Float)
       error(where, fmt::format("score_mod must be float, got {}", type_name(r.type)),
             r.type == Type::Int ? "write float(...)"

@@ -330,6 +330,7 @@ std::string float_literal(double v) {
 struct Printer {
   const Graph& g;
   const Decls& decls;
+  std::string_view score_name;
 
   std::string operand(NodeId id, int parent_prec, bool right) {
     const int p = precedence(g[id].op);
@@ -347,7 +348,8 @@ struct Printer {
         if (n.type == Type::Bool) return n.ival ? "true" : "false";
         if (n.type == Type::Int) return std::to_string(n.ival);
         return float_literal(n.fval);
-      case Op::Input: return std::string(input_name(n.input));
+      case Op::Input:
+        return std::string(n.input == Input::Score ? score_name : input_name(n.input));
       case Op::Param:
         return n.slot < decls.params.size() ? decls.params[n.slot].name
                                             : fmt::format("param{}", n.slot);
@@ -382,8 +384,9 @@ struct Printer {
 
 }  // namespace
 
-std::string to_text(const Graph& g, NodeId root, const Decls& decls) {
-  Printer pr{g, decls};
+std::string to_text(const Graph& g, NodeId root, const Decls& decls,
+                    std::string_view score_name) {
+  Printer pr{g, decls, score_name};
   return pr.print(root);
 }
 

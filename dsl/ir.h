@@ -156,7 +156,10 @@ struct Decls {
 
 // ---- a checked mod
 
-enum class ModKind : uint8_t { Score, Mask };
+// Map: a float function of one float, written in `x` (a linear-attention feature map); `x` is
+// Input::Score in the graph, so that every pass (emitter, derivatives, interpreter) treats it
+// as a score_mod reading nothing else.
+enum class ModKind : uint8_t { Score, Mask, Map };
 
 struct Mod {
   ModKind kind = ModKind::Score;
@@ -167,6 +170,8 @@ struct Mod {
 
 // Prints the expression rooted at `root` as normalized DSL text (fully determined by the graph:
 // shared subexpressions are printed inline, minimal parentheses, declared names for slots).
-std::string to_text(const Graph& g, NodeId root, const Decls& decls);
+// `score_name` spells Input::Score ("x" for a Map).
+std::string to_text(const Graph& g, NodeId root, const Decls& decls,
+                    std::string_view score_name = "score");
 
 }  // namespace flexc::dsl

@@ -82,6 +82,7 @@ struct LinearConfig {
   std::string name, description;
   std::string gate;       // "per_dim", "per_step", "per_head" or "none"
   std::string log_decay;  // per_head only
+  std::string feature_map;  // optional: an expression of x, applied to q and k
   std::optional<double> scale;
 };
 LinearConfig parse_linear_json(std::string_view text, std::string_view origin);

@@ -330,7 +330,8 @@ LinearConfig parse_linear_json(std::string_view text, std::string_view origin) {
   const json j = parse_json(text, origin);
   Reader r(origin);
   r.keys(r.object(j, "(top level)"), "",
-         {"name", "kind", "description", "gate", "log_decay", "scale"}, {"name", "kind", "gate"});
+         {"name", "kind", "description", "gate", "log_decay", "feature_map", "scale"},
+         {"name", "kind", "gate"});
   if (r.string(j["kind"], "kind") != "linear")
     config_error(origin, "kind", fmt::format("expected \"linear\", got {}",
                                              in_quotes(j["kind"].get<std::string>())));
@@ -354,6 +355,7 @@ LinearConfig parse_linear_json(std::string_view text, std::string_view origin) {
                                in_quotes(c.gate)));
     c.log_decay = r.expression(j["log_decay"], "log_decay");
   }
+  if (j.contains("feature_map")) c.feature_map = r.expression(j["feature_map"], "feature_map");
   if (j.contains("scale")) {
     const double v = r.number(j["scale"], "scale");
     if (!(v > 0)) config_error(origin, "scale", fmt::format("must be > 0, got {}", v));

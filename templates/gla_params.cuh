@@ -65,3 +65,16 @@ struct FlexcGlaBwdParams {
   int dg_type;
   int dg_sum_dims;          // 1: g is [batch, heads, seq], dg_t sums the key dims' gradients
 };
+
+// A feature map's kernels (templates/gla_feature_map.cuh): x and y [n0, n1, n2, d] in the input
+// type, strides in elements, contiguous rows of d (a multiple of 8) 16-byte aligned.
+// flexc_feature_map writes y = phi(x); flexc_feature_map_grad scales y (a gradient) by phi'(x) in
+// place.
+struct FlexcMapParams {
+  const void* x;
+  void* y;
+  long long x_stride[3];
+  long long y_stride[3];
+  long long n[3];
+  int d;
+};

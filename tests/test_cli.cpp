@@ -239,7 +239,7 @@ TEST_CASE("flexc run: linear-attention configs pass their forward and backward c
     WARN("no GPU: skipped");
     return;
   }
-  for (const char* config : {"@gla", "@simple_gla", "@retnet", "@linear"}) {
+  for (const char* config : {"@gla", "@simple_gla", "@retnet", "@linear", "@linear_elu"}) {
     const Result r = run_cli(fmt::format("run {} --random 2,4,2,130,64,128 --check --backward --dtype "
                                        "fp16",
                                        config));

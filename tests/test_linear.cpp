@@ -55,6 +55,7 @@ struct LinearCase {
   Gates gates = Gates::PerDim;
   Strength strength = Strength::Typical;
   bool initial = false;
+  std::optional<FeatureMap> fmap;     // on q and k
   std::vector<float> q, k, v, g, h0;  // g: per-dim [B,H,T,DK], per-step / per-head [B,H,T]
   std::vector<float> head_gate;        // per head: [H]
 
@@ -64,7 +65,8 @@ struct LinearCase {
                        strength == Strength::Strong ? " (strong)"
                        : strength == Strength::Weak ? " (weak)"
                                                     : "",
-                       initial ? ", initial state" : "");
+                       initial ? ", initial state" : "") +
+           (fmap ? ", feature map " + fmap->text() : "");
   }
   float draw_gate() const {
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -99,6 +101,7 @@ struct LinearCase {
     p.batch = B, p.heads = H, p.k_heads = Hk, p.seq_len = T, p.dk = DK, p.dv = DV;
     p.per_dim_gates = gates == Gates::PerDim;
     p.dtype = dtype;
+    p.feature_map = fmap;
     return p;
   }
 };
@@ -180,8 +183,9 @@ TensorView tokens(const TensorView& t, int64_t t0, int64_t len) {
 LinearAccuracy run_chunked(LinearCase& c) {
   c.fill();
   DeviceCase d(c);
-  linear_attention(d.tq, d.tk, d.tv, d.tout,
-                   with(d.tg, d.th0, d.tstate));
+  LinearOptions o = with(d.tg, d.th0, d.tstate);
+  o.feature_map = c.fmap;
+  linear_attention(d.tq, d.tk, d.tv, d.tout, o);
   synchronize_device();
   const LinearReferenceResult r = reference_linear_attention(c.reference());
   return check_linear_accuracy(r, d.output(c), d.final_state(c));
@@ -254,7 +258,7 @@ BackwardAccuracy run_backward(LinearCase& c, bool dstate) {
   if (c.initial)
     grads.d_initial_state = TensorView::contiguous(dh0.get(), DType::F32, {c.B, c.H, c.DK, c.DV});
   LinearBackwardOptions o;
-  o.g = d.tg, o.initial_state = d.th0;
+  o.g = d.tg, o.initial_state = d.th0, o.feature_map = c.fmap;
   if (dstate) o.d_final_state = TensorView::contiguous(ddht.get(), DType::F32, {c.B, c.H, c.DK, c.DV});
   linear_attention_backward(d.tq, d.tk, d.tv,
                             TensorView::contiguous(ddout.get(), c.dtype, {c.B, c.H, c.T, c.DV}),
@@ -434,6 +438,75 @@ TEST_CASE("linear reference: the chunkwise backward without rounding equals the 
   });
 }
 
+TEST_CASE("feature maps: an expression of x, its values and derivative, errors named",
+          "[linear]") {
+  const FeatureMap elu = FeatureMap::parse("where(x > 0, x + 1, exp(x))");
+  CHECK(elu.text() == "x > 0.0 ? x + 1.0 : exp(x)");
+  for (double x : {-3.0, -0.5, 0.25, 2.0}) {
+    CHECK(elu(x) == (x > 0 ? x + 1 : std::exp(x)));
+    CHECK(elu.derivative(x) == (x > 0 ? 1.0 : std::exp(x)));
+  }
+  const FeatureMap sq = FeatureMap::parse("let y = x * x; y + 0.5 * x");
+  CHECK(sq(3.0) == 10.5);
+  CHECK(sq.derivative(3.0) == 6.5);
+  CHECK_THROWS_WITH(FeatureMap::parse("x + h", "cfg: feature_map"),
+                    Contains("cfg: feature_map:1:5") && Contains("an expression of x alone"));
+  CHECK_THROWS_WITH(FeatureMap::parse("score * 2"), Contains("an expression of x alone"));
+  CHECK_THROWS_WITH(FeatureMap::parse("x > 0"), Contains("a feature map must be float"));
+  CHECK_THROWS_WITH(FeatureMap::parse("exp(xx)"), Contains("unknown name 'xx'") &&
+                                                     Contains("did you mean 'x'?"));
+  // In a config, and what it builds without a GPU: the feature map's module beside the others.
+  const LinearVariant v = LinearVariant::load("@linear_elu");
+  REQUIRE(v.feature_map());
+  CHECK(v.feature_map()->text() == elu.text());
+  CHECK_FALSE(LinearVariant::load("@gla").feature_map());
+  CHECK_THROWS_WITH(LinearVariant::from_json(R"({"name": "x", "kind": "linear", "gate": "none",
+                                                 "feature_map": "x + q_idx"})", "f.json"),
+                    Contains("f.json: feature_map:1:5"));
+  const std::vector<CompiledKernel> k = compile_linear_kernels(v, "sm_90", "bf16", 128, 128);
+  REQUIRE(k.size() == 3);
+  CHECK(k[2].ptx.find(".entry flexc_feature_map(") != std::string::npos);
+  CHECK(k[2].ptx.find(".entry flexc_feature_map_grad(") != std::string::npos);
+}
+
+TEST_CASE("linear reference: gradients through a feature map equal finite differences",
+          "[linear]") {
+  LinearCase c;
+  c.B = 1, c.H = 2, c.Hk = 1, c.T = 9, c.DK = 3, c.DV = 2, c.gates = Gates::PerStep;
+  c.fmap = FeatureMap::parse("where(x > 0, x + 1, exp(x))");
+  c.fill();
+  for (float& x : c.g) x = std::min(x, -0.01f);
+  const std::vector<float> dout = normal(c.B * c.H * c.T * c.DV, DType::BF16);
+  LinearReferenceProblem p = c.reference();
+  p.exact_ref = true;  // phi unrounded: a perturbation of x moves phi(x)
+  const LinearReferenceGradients grad = reference_linear_attention_backward(p, dout, {});
+  auto loss = [&] {
+    LinearReferenceProblem lp = c.reference();
+    lp.exact_ref = true;
+    const LinearReferenceResult r = reference_linear_attention(lp);
+    double l = 0;
+    for (size_t i = 0; i < dout.size(); ++i) l += r.gold_out[i] * dout[i];
+    return l;
+  };
+  for (auto [name, x, dx] : {std::tuple{"dq", &c.q, &grad.gold.dq}, {"dk", &c.k, &grad.gold.dk}}) {
+    double worst = 0, size = 0;
+    for (size_t i = 0; i < x->size(); ++i) {
+      const float x0 = (*x)[i], h = 1e-3f;
+      (*x)[i] = x0 + h;
+      const double up = loss();
+      (*x)[i] = x0 - h;
+      const double down = loss();
+      (*x)[i] = x0;
+      const double fd = (up - down) / (double(x0 + h) - double(x0 - h));
+      worst = std::max(worst, std::abs(fd - (*dx)[i]));
+      size = std::max(size, std::abs((*dx)[i]));
+    }
+    INFO(name << ": worst |fd - grad| " << worst << ", max |grad| " << size);
+    CHECK(size > 0);
+    CHECK(worst < 2e-4 * std::max(1.0, size));
+  }
+}
+
 TEST_CASE("linear reference: sizes and positive gates are errors", "[linear]") {
   LinearCase c;
   c.fill();
@@ -572,7 +645,7 @@ TEST_CASE("the linear attention kernels build for sm_80 and sm_90", "[linear][ji
 TEST_CASE("linear-attention configs: the catalogue, per-head decays, errors, kernels built",
           "[linear][jit]") {
   CHECK(LinearVariant::catalogue_names() ==
-        std::vector<std::string>{"gla", "linear", "retnet", "simple_gla"});
+        std::vector<std::string>{"gla", "linear", "linear_elu", "retnet", "simple_gla"});
   CHECK(LinearVariant::from_catalogue("gla").gate() == LinearGate::PerDim);
   CHECK(LinearVariant::from_catalogue("@simple_gla").gate() == LinearGate::PerStep);
   CHECK(LinearVariant::from_catalogue("linear").gate() == LinearGate::None);
@@ -695,6 +768,50 @@ TEST_CASE("linear attention: a positive gate makes its head NaN and only its hea
   CHECK(std::all_of(out.begin(), out.begin() + per_head, [](float x) { return std::isfinite(x); }));
   CHECK(std::all_of(out.begin() + per_head + 70 * c.DV, out.begin() + 2 * per_head,
                     [](float x) { return std::isnan(x); }));
+}
+
+TEST_CASE("linear attention with a feature map: forward, backward and the step", "[linear][gpu]") {
+  SKIP_WITHOUT_GPU();
+  const FeatureMap maps[] = {FeatureMap::parse("where(x > 0, x + 1, exp(x))"),
+                             FeatureMap::parse("x * x * 0.5 + x")};
+  int i = 0;
+  for (DType dt : {DType::BF16, DType::F16})
+    for (auto [dk, dv] : {std::pair{64, 64}, {128, 128}, {128, 64}})
+      for (Gates gates : {Gates::PerDim, Gates::None}) {
+        LinearCase c;
+        c.dtype = dt, c.DK = dk, c.DV = dv, c.gates = gates, c.fmap = maps[i % 2];
+        c.T = i % 3 == 0 ? 65 : 200, c.H = 4, c.Hk = i % 2 ? 2 : 4, c.initial = i % 2 == 0;
+        ++i;
+        const LinearAccuracy a = run_chunked(c);
+        INFO(c.describe() << ": " << a.summary());
+        CHECK(a.pass);
+        const BackwardAccuracy b = run_backward(c, true);
+        INFO(c.describe() << ": backward " << b.summary());
+        CHECK(b.pass);
+      }
+  // The step: a chunkwise prefill, then single tokens, all through the map.
+  LinearCase c;
+  c.DK = c.DV = 128, c.gates = Gates::PerStep, c.T = 70, c.H = 2, c.Hk = 1, c.B = 2;
+  c.fmap = maps[0];
+  c.fill();
+  DeviceCase d(c);
+  const auto part = tokens;
+  LinearOptions o = with(part(*d.tg, 0, 64), {}, d.tstate);
+  o.feature_map = c.fmap;
+  linear_attention(part(d.tq, 0, 64), part(d.tk, 0, 64), part(d.tv, 0, 64), part(d.tout, 0, 64),
+                   o);
+  for (int64_t t = 64; t < 70; ++t) {
+    LinearOptions so = with(part(*d.tg, t, 1));
+    so.feature_map = c.fmap;
+    linear_attention_step(part(d.tq, t, 1), part(d.tk, t, 1), part(d.tv, t, 1), *d.tstate,
+                          part(d.tout, t, 1), so);
+  }
+  synchronize_device();
+  const LinearAccuracy a =
+      check_linear_accuracy(reference_linear_attention(c.reference()), d.output(c),
+                            d.final_state(c));
+  INFO(c.describe() << ", step: " << a.summary());
+  CHECK(a.pass);
 }
 
 TEST_CASE("the recurrent step equals the reference token by token, from a chunkwise state",

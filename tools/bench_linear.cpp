@@ -1,7 +1,8 @@
 // bench_linear: flexc::linear_attention (chunkwise forward) and flexc::linear_attention_step on
 // issue 15's shapes: (B, T, H, D) = (1, 8192, 16, 128), (8, 2048, 16, 128), (1, 32768, 16, 128),
 // bf16, with GLA's float32 gates per key dim, one gate per step, or none; the step at B x H =
-// 256 and 1024 (one token against a 128 x 128 float32 state per head).
+// 256 and 1024 (one token against a 128 x 128 float32 state per head); and fwd_b8_t2k_none_elu,
+// the no-gate case through @linear_elu's feature map (its cost beside fwd_b8_t2k_none; no peer).
 //
 //   bench_linear [--cases NAME,...] [--reps 20] [--inner 5] [--backward] [--json]
 //
@@ -36,6 +37,7 @@ struct Case {
   int64_t b, t, h, d;
   std::string gates;  // "dim", "step", "none"
   bool step = false;  // linear_attention_step over one token
+  bool elu = false;   // the feature map elu(x) + 1 on q and k (@linear_elu's)
 };
 
 std::vector<Case> all_cases() {
@@ -44,6 +46,8 @@ std::vector<Case> all_cases() {
     for (const char* g : {"dim", "step", "none"})
       c.push_back({fmt::format("fwd_b{}_t{}k_{}", b, t / 1024, g), b, t, 16, 128, g});
   for (int64_t b : {16, 64}) c.push_back({fmt::format("step_b{}_h16", b), b, 1, 16, 128, "dim", true});
+  // A feature map's own cost: the no-gate case with and without it.
+  c.push_back({"fwd_b8_t2k_none_elu", 8, 2048, 16, 128, "none", false, true});
   return c;
 }
 
@@ -120,6 +124,7 @@ int main(int argc, char** argv) {
       LinearOptions o;
       if (c.gates == "dim") o.g = TensorView{g.get(), DType::F32, shape, {}};
       if (c.gates == "step") o.g = TensorView{g.get(), DType::F32, {c.b, c.h, c.t}, {}};
+      if (c.elu) o.feature_map = LinearVariant::load("@linear_elu").feature_map();
       Stream stream;
       o.stream = stream.get();
       auto call = [&] {
@@ -142,6 +147,7 @@ int main(int argc, char** argv) {
         if (o.g) grads.dg = TensorView{dg.get(), DType::F32, o.g->shape, {}};
         LinearBackwardOptions bo;
         bo.g = o.g;
+        bo.feature_map = o.feature_map;
         bo.stream = o.stream;
         const TensorView tdout{dout.get(), DType::BF16, shape, {}};
         auto bwd = [&] { linear_attention_backward(tq, tk, tv, tdout, grads, bo); };
@@ -161,8 +167,10 @@ int main(int argc, char** argv) {
       if (json) {
         fmt::print(
             "{{\"case\": \"{}\", \"b\": {}, \"t\": {}, \"h\": {}, \"d\": {}, \"gates\": "
-            "\"{}\", \"step\": {}, \"ms\": {:.5f}, \"bytes\": {:.0f}, \"gbs\": {:.1f}{}}}\n",
-            c.name, c.b, c.t, c.h, c.d, c.gates, c.step ? "true" : "false", m, bytes, gbs,
+            "\"{}\", \"step\": {}, \"feature_map\": {}, \"ms\": {:.5f}, \"bytes\": {:.0f}, "
+            "\"gbs\": {:.1f}{}}}\n",
+            c.name, c.b, c.t, c.h, c.d, c.gates, c.step ? "true" : "false",
+            c.elu ? "true" : "false", m, bytes, gbs,
             bwd_json);
       } else {
         fmt::print("{:<22} {:9.4f} ms {:7.0f} GB/s{}\n", c.name, m, gbs, bwd_text);

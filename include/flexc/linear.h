@@ -29,6 +29,32 @@ struct CUstream_st;
 
 namespace flexc {
 
+class FeatureMap;
+namespace detail {
+const Variant& feature_map_variant(const FeatureMap& fm);  // the JIT's view of phi
+}
+
+// A feature map phi on q and k (linear attention over phi(q), phi(k): elu(x) + 1 as Katharopoulos
+// et al., relu, ...): an expression of x in flexc's language (docs/dsl.md), e.g.
+// "where(x > 0, x + 1, exp(x))". The calls below apply it elementwise by a JIT kernel (phi in
+// float32, rounded to q's type) before their chunkwise or recurrent pass, and the backward
+// chains phi'(x) (derived from the expression) into dq and dk.
+class FeatureMap {
+ public:
+  // Throws flexc::Error with the language's diagnostics, `where` naming the expression.
+  static FeatureMap parse(std::string_view expression_of_x,
+                          std::string_view where = "feature_map");
+  std::string text() const;            // checked and normalized
+  double operator()(double x) const;   // phi(x), float64, by flexc's interpreter
+  double derivative(double x) const;   // phi'(x), likewise
+
+ private:
+  struct Impl;
+  friend const Variant& detail::feature_map_variant(const FeatureMap& fm);
+  explicit FeatureMap(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<const Impl> impl_;
+};
+
 struct LinearOptions {
   // Log gates, float32, bf16 or fp16, [B, H, T, DK] or [B, H, T], any strides (0 broadcasts).
   // Each must be <= 0; below -1e4 (or -inf) it counts as -1e4, whose exp is 0 (a reset). A
@@ -39,10 +65,11 @@ struct LinearOptions {
   std::optional<TensorView> initial_state;
   std::optional<TensorView> final_state;
   std::optional<double> scale;  // default 1 / sqrt(DK)
+  std::optional<FeatureMap> feature_map;  // applied to q and k; unset: none
   CUstream_st* stream = nullptr;
   // linear_attention's temporaries, per chunk of 64 tokens and head: its start state (DK x DV)
   // and k scaled by the gates (64 x DK) in q's type, the gates' sums (64 x DK) and DK decays in
-  // float32.
+  // float32; with a feature map also phi(q) and phi(k), contiguous, in q's type.
   WorkspaceAllocator workspace;
 };
 
@@ -66,6 +93,7 @@ struct LinearBackwardOptions {
   std::optional<TensorView> initial_state;  // as in LinearOptions
   std::optional<TensorView> d_final_state;  // float32 [B, H, DK, DV], contiguous; unset: zeros
   std::optional<double> scale;              // default 1 / sqrt(DK)
+  std::optional<FeatureMap> feature_map;    // as in LinearOptions (dq, dk through phi')
   CUstream_st* stream = nullptr;
   // The temporaries: linear_attention's, the chunks' state gradients (DK x DV, q's type), q
   // scaled by its gates (64 x DK per chunk, q's type), and float32 per-token gate gradients
@@ -119,6 +147,8 @@ class LinearVariant {
   // PerHead: the log decay, checked and normalized (an expression of h alone).
   std::string log_decay_text() const;
   std::optional<double> scale() const;
+  // The config's "feature_map" (an expression of x), if it has one.
+  const std::optional<FeatureMap>& feature_map() const;
   // PerHead: log_decay at h = 0 .. heads - 1, in float64 by flexc's interpreter, as float32.
   // Throws naming the head if a value is positive or NaN.
   std::vector<float> head_log_decays(int64_t heads) const;
@@ -132,7 +162,8 @@ class LinearVariant {
 // The kernels a linear variant runs, built ahead of time through the JIT's caches (no GPU
 // needed when `arch` is named): the forward module (chunkwise forward and the step) and the
 // backward module, for inputs of `dtype` ("bf16" / "fp16"), head dims dk, dv (64 or 128) and
-// gates of `gate_dtype` ("float32", "bf16", "fp16"; unused without gates).
+// gates of `gate_dtype` ("float32", "bf16", "fp16"; unused without gates); with a feature map
+// also its module (templates/gla_feature_map.cuh).
 std::vector<CompiledKernel> compile_linear_kernels(const LinearVariant& v, std::string_view arch,
                                                    std::string_view dtype, int dk, int dv,
                                                    std::string_view gate_dtype = "float32");
@@ -156,6 +187,10 @@ struct LinearReferenceProblem {
   DType gate_dtype = DType::F32;  // the backward's `ref` rounds dg to it (g's type)
   // `ref` without its roundings: the chunkwise algorithm itself, for tests against `gold`.
   bool exact_ref = false;
+  // Applied to q and k as the kernels do (phi in float64, rounded to dtype for gold and ref alike
+  // unless exact_ref); the backward's dq and dk are then chained through phi' (ref rounds them
+  // to dtype).
+  std::optional<FeatureMap> feature_map;
 };
 
 struct LinearReferenceResult {

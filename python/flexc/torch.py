@@ -504,7 +504,7 @@ def _check_linear(what, q, k, v, **optional):
             raise Error(f"{what}: {name} must be 4-d [B, H, T, D]; got {tuple(t.shape)}")
 
 
-def _linear_forward(q, k, v, g, initial_state, scale, output_final_state, workspace):
+def _linear_forward(q, k, v, g, initial_state, scale, output_final_state, workspace, variant):
     out = _out_like(q, v.shape[-1])
     final = None
     if output_final_state:
@@ -512,7 +512,8 @@ def _linear_forward(q, k, v, g, initial_state, scale, output_final_state, worksp
                             device=q.device)
     _flexc.linear_attention(_raw(q), _raw(k), _raw(v), _raw(out), g=_raw_opt(g),
                             initial_state=_raw_opt(initial_state), final_state=_raw_opt(final),
-                            scale=scale, stream=_stream_of(q), workspace=workspace)
+                            scale=scale, stream=_stream_of(q), workspace=workspace,
+                            variant=variant)
     return out, final
 
 
@@ -570,11 +571,12 @@ class _LinearAttention(torch.autograd.Function):
     inputs (so nothing but the inputs is saved)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, workspace):
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, workspace, variant):
         ctx.set_materialize_grads(False)  # an output left out of the loss has no gradient to read
         ctx.save_for_backward(q, k, v, g, initial_state)
-        ctx.scale, ctx.workspace = scale, workspace
-        return _linear_forward(q, k, v, g, initial_state, scale, output_final_state, workspace)
+        ctx.scale, ctx.workspace, ctx.variant = scale, workspace, variant
+        return _linear_forward(q, k, v, g, initial_state, scale, output_final_state, workspace,
+                               variant)
 
     @staticmethod
     def backward(ctx, dout, dfinal):
@@ -601,11 +603,11 @@ class _LinearAttention(torch.autograd.Function):
             _raw(q), _raw(k), _raw(v), _raw(dout), _raw(dq), _raw(dk), _raw(dv), g=_raw_opt(g),
             dg=_raw_opt(dg), initial_state=_raw_opt(initial_state), d_initial_state=_raw_opt(dh0),
             d_final_state=_raw_opt(dfinal), scale=ctx.scale, stream=_stream_of(q),
-            workspace=ctx.workspace or cached)
+            workspace=ctx.workspace or cached, variant=ctx.variant)
         # The kernel writes dq, dk and dv whichever are wanted; autograd takes None for the rest.
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                dg if need[3] else None, dh0, None, None, None)
+                dg if need[3] else None, dh0, None, None, None, None)
 
 
 def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
@@ -627,7 +629,8 @@ def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
     variant: a linear-attention config (docs/linear.md, "Configs"), a flexc.LinearVariant or what
     LinearVariant.load takes ("@retnet", a JSON file's path). Its gate decides g: per_dim takes g
     [B, H, T, DK], per_step g [B, H, T], per_head and none take g=None (per_head: the decays of its
-    log_decay, on q's device, not trained); its scale applies when scale is None."""
+    log_decay, on q's device, not trained); its scale applies when scale is None, and its
+    feature_map (if any) applies to q and k, inside the kernels' calls (gradients through it)."""
     _check_linear("linear_attention", q, k, v, g=g, initial_state=initial_state)
     if variant is not None:
         variant = _linear_variant(variant)
@@ -636,22 +639,28 @@ def linear_attention(q, k, v, g=None, *, scale=None, initial_state=None,
             scale = variant.scale
     if initial_state is not None and not initial_state.is_contiguous():
         initial_state = initial_state.contiguous()
-    args = (q, k, v, g, initial_state, scale, output_final_state, workspace)
+    args = (q, k, v, g, initial_state, scale, output_final_state, workspace, variant)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:5]):
         return _LinearAttention.apply(*args)
     return _linear_forward(*args)
 
 
-def linear_attention_step(q, k, v, state, g=None, *, scale=None):
+def linear_attention_step(q, k, v, state, g=None, *, scale=None, variant=None):
     """The recurrent form over q's T tokens (T = 1 when decoding): `state` (float32 [B, H, DK, DV],
-    contiguous) is updated in place; returns out [B, H, T, DV]. Shapes and gates as
+    contiguous) is updated in place; returns out [B, H, T, DV]. Shapes, gates and variant as
     linear_attention's. Forward only: inputs that require grad are refused (outside no_grad)."""
     _check_linear("linear_attention_step", q, k, v, state=state, g=g)
+    if variant is not None:
+        variant = _linear_variant(variant)
+        g = _variant_gates(variant, q, g)
+        if scale is None:
+            scale = variant.scale
     tensors = (q, k, v, state, g)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise Error("flexc.torch.linear_attention_step has no backward (it is for decoding); call "
                     "it under torch.no_grad(), or train with linear_attention")
     out = _out_like(q, v.shape[-1])
     _flexc.linear_attention_step(_raw(q), _raw(k), _raw(v), _raw(state), _raw(out),
-                                 g=_raw_opt(g), scale=scale, stream=_stream_of(q))
+                                 g=_raw_opt(g), scale=scale, stream=_stream_of(q),
+                                 variant=variant)
     return out

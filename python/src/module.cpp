@@ -211,6 +211,13 @@ PYBIND11_MODULE(_flexc, m) {
       .def_property_readonly("gate", [](const LinearVariant& v) { return to_string(v.gate()); })
       .def_property_readonly("log_decay", &LinearVariant::log_decay_text)
       .def_property_readonly("scale", &LinearVariant::scale)
+      .def_property_readonly(
+          "feature_map",
+          [](const LinearVariant& v) -> std::optional<std::string> {
+            if (!v.feature_map()) return std::nullopt;
+            return v.feature_map()->text();
+          },
+          "the feature map on q and k (an expression of x), or None")
       .def("head_log_decays", &LinearVariant::head_log_decays, py::arg("heads"),
            "per_head: log_decay at h = 0 .. heads - 1 (float64, rounded to float32).")
       .def("__repr__", [](const LinearVariant& v) {
@@ -488,7 +495,8 @@ PYBIND11_MODULE(_flexc, m) {
       "linear_attention",
       [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle g,
          py::handle initial_state, py::handle final_state, std::optional<double> scale,
-         std::optional<int64_t> stream, const py::object& workspace) {
+         std::optional<int64_t> stream, const py::object& workspace,
+         const std::optional<LinearVariant>& variant) {
         const Stream st(stream);
         Borrowed b;
         const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
@@ -499,6 +507,7 @@ PYBIND11_MODULE(_flexc, m) {
         o.initial_state = b.view_or_none(initial_state, "initial_state", st.dlpack, true);
         o.final_state = b.view_or_none(final_state, "final_state", st.dlpack, true);
         o.scale = scale;
+        if (variant) o.feature_map = variant->feature_map();
         o.stream = st.cuda;
         o.workspace = workspace_from(workspace);
         py::gil_scoped_release release;
@@ -508,15 +517,18 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("g") = py::none(), py::arg("initial_state") = py::none(),
       py::arg("final_state") = py::none(), py::arg("scale") = py::none(),
       py::arg("stream") = py::none(), py::arg("workspace") = py::none(),
+      py::arg("variant") = py::none(),
       "flexc::linear_attention on CUDA tensors: gated linear attention, chunkwise; g [B, H, T, "
-      "DK] or [B, H, T] log gates (docs/linear.md).");
+      "DK] or [B, H, T] log gates; variant: its feature map applies to q and k "
+      "(docs/linear.md).");
 
   m.def(
       "linear_attention_backward",
       [](py::handle q, py::handle k, py::handle v, py::handle dout, py::handle dq, py::handle dk,
          py::handle dv, py::handle g, py::handle dg, py::handle initial_state,
          py::handle d_initial_state, py::handle d_final_state, std::optional<double> scale,
-         std::optional<int64_t> stream, const py::object& workspace) {
+         std::optional<int64_t> stream, const py::object& workspace,
+         const std::optional<LinearVariant>& variant) {
         const Stream st(stream);
         Borrowed b;
         const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
@@ -534,6 +546,7 @@ PYBIND11_MODULE(_flexc, m) {
         o.initial_state = b.view_or_none(initial_state, "initial_state", st.dlpack, true);
         o.d_final_state = b.view_or_none(d_final_state, "d_final_state", st.dlpack, true);
         o.scale = scale;
+        if (variant) o.feature_map = variant->feature_map();
         o.stream = st.cuda;
         o.workspace = workspace_from(workspace);
         py::gil_scoped_release release;
@@ -544,6 +557,7 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("initial_state") = py::none(), py::arg("d_initial_state") = py::none(),
       py::arg("d_final_state") = py::none(), py::arg("scale") = py::none(),
       py::arg("stream") = py::none(), py::arg("workspace") = py::none(),
+      py::arg("variant") = py::none(),
       "flexc::linear_attention_backward on CUDA tensors: recomputes from q, k, v, g and "
       "initial_state, and writes dq, dk, dv, dg (required exactly when g is given, g's shape) and "
       "d_initial_state (optional) given dout and d_final_state (None: zeros) (docs/linear.md).");
@@ -551,7 +565,8 @@ PYBIND11_MODULE(_flexc, m) {
   m.def(
       "linear_attention_step",
       [](py::handle q, py::handle k, py::handle v, py::handle state, py::handle out,
-         py::handle g, std::optional<double> scale, std::optional<int64_t> stream) {
+         py::handle g, std::optional<double> scale, std::optional<int64_t> stream,
+         const std::optional<LinearVariant>& variant) {
         const Stream st(stream);
         Borrowed b;
         const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
@@ -560,12 +575,14 @@ PYBIND11_MODULE(_flexc, m) {
         LinearOptions o;
         o.g = b.view_or_none(g, "g", st.dlpack, true);
         o.scale = scale;
+        if (variant) o.feature_map = variant->feature_map();
         o.stream = st.cuda;
         py::gil_scoped_release release;
         flexc::linear_attention_step(tq, tk, tv, ts, to, o);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("state"), py::arg("out"), py::kw_only(),
       py::arg("g") = py::none(), py::arg("scale") = py::none(), py::arg("stream") = py::none(),
+      py::arg("variant") = py::none(),
       "flexc::linear_attention_step on CUDA tensors: the recurrence over q's T tokens, the "
       "float32 state [B, H, DK, DV] updated in place (docs/linear.md).");
 }

@@ -171,7 +171,10 @@ def test_linear_attention_backward_names_the_bad_argument():
 
 
 def test_linear_variants_from_the_catalogue():
-    assert flexc.LinearVariant.catalogue_names() == ["gla", "linear", "retnet", "simple_gla"]
+    assert flexc.LinearVariant.catalogue_names() == ["gla", "linear", "linear_elu", "retnet",
+                                                     "simple_gla"]
+    assert flexc.LinearVariant.load("@linear_elu").feature_map == "x > 0.0 ? x + 1.0 : exp(x)"
+    assert flexc.LinearVariant.load("@gla").feature_map is None
     retnet = flexc.LinearVariant.load("@retnet")
     assert retnet.name == "retnet" and retnet.gate == "per_head" and retnet.scale is None
     assert "h" in retnet.log_decay and "RetNet" in retnet.description

@@ -264,6 +264,32 @@ def test_a_json_config_gives_its_decays_and_scale(tmp_path):
 
 
 @gpu
+def test_a_feature_map_equals_mapping_q_and_k_first():
+    # @linear_elu against elu(x) + 1 applied by torch: outputs, gradients, and the step.
+    gen = torch.Generator(device="cuda").manual_seed(SEED)
+    q, k, v = (torch.randn(2, 4, 150, 64, generator=gen, device="cuda").bfloat16()
+               for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # GQA
+    dout = torch.randn(2, 4, 150, 64, generator=gen, device="cuda").bfloat16()
+    phi = lambda x: torch.nn.functional.elu(x.float()).add(1).to(x.dtype)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = linear_attention(*ins, variant="@linear_elu")
+    grads = torch.autograd.grad(out, ins, dout)
+    ref_ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    want, _ = linear_attention(phi(ref_ins[0]), phi(ref_ins[1]), ref_ins[2])
+    want_grads = torch.autograd.grad(want, ref_ins, dout)
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    for got, exp in zip(grads, want_grads):
+        torch.testing.assert_close(got, exp, rtol=3e-2, atol=3e-2 * exp.abs().max().item())
+    with torch.no_grad():
+        state = torch.zeros(2, 4, 64, 64, device="cuda")
+        steps = [linear_attention_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                       state, variant="@linear_elu") for t in range(150)]
+        torch.testing.assert_close(torch.cat(steps, 2), want, rtol=2e-2,
+                                   atol=2e-2 * want.abs().max().item())
+
+
+@gpu
 def test_a_variant_refuses_the_wrong_g():
     q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
     step = torch.zeros(1, 2, 8, device="cuda")

@@ -251,6 +251,31 @@ void check_outputs(std::string_view what, const std::vector<Named>& outputs,
 
 const TensorView* ptr(const std::optional<TensorView>& t) { return t ? &*t : nullptr; }
 
+// What the kernels read as q and k: with a feature map phi(q) and phi(k), contiguous in one
+// stream-ordered buffer (freed after the call's kernels); without one, q and k themselves.
+class FeatureInputs {
+ public:
+  FeatureInputs(const std::optional<FeatureMap>& fm, const TensorView& q, const TensorView& k,
+                CUstream_st* stream, const WorkspaceAllocator& alloc, std::string_view what)
+      : q_(q), k_(k) {
+    const size_t qn = size_t(q.numel()) * 2, kn = size_t(k.numel()) * 2;
+    if (!fm || qn + kn == 0) return;
+    const size_t k_at = (qn + 255) / 256 * 256;
+    buf_.emplace(k_at + kn, stream, alloc, what);
+    char* base = static_cast<char*>(buf_->get());
+    q_ = TensorView::contiguous(base, q.dtype, q.shape);
+    k_ = TensorView::contiguous(base + k_at, k.dtype, k.shape);
+    detail::run_feature_map(*fm, q, q_, false, stream);
+    detail::run_feature_map(*fm, k, k_, false, stream);
+  }
+  const TensorView& q() const { return q_; }
+  const TensorView& k() const { return k_; }
+
+ private:
+  TensorView q_, k_;
+  std::optional<detail::StreamBuffer> buf_;
+};
+
 void linear_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, const LinearOptions& opts) {
   constexpr std::string_view what = "flexc::linear_attention";
@@ -263,7 +288,8 @@ void linear_attention(const TensorView& q, const TensorView& k, const TensorView
   const double scale = check_scale(what, opts.scale, s.DK);
   if (s.B == 0 || s.H == 0) return;
 
-  FlexcGlaParams p = make_params(q, k, v, out, opts.g, gates, s, scale);
+  const FeatureInputs in(opts.feature_map, q, k, opts.stream, opts.workspace, what);
+  FlexcGlaParams p = make_params(in.q(), in.k(), v, out, opts.g, gates, s, scale);
   p.h0 = opts.initial_state ? static_cast<const float*>(opts.initial_state->data) : nullptr;
   p.ht = opts.final_state ? static_cast<float*>(opts.final_state->data) : nullptr;
   if (s.T == 0 && !p.ht) return;
@@ -341,9 +367,10 @@ void linear_attention_backward(const TensorView& q, const TensorView& k, const T
   const double scale = check_scale(what, opts.scale, s.DK);
   if (s.B == 0 || s.H == 0) return;
 
+  const FeatureInputs in(opts.feature_map, q, k, opts.stream, opts.workspace, what);
   FlexcGlaBwdParams bp{};
   FlexcGlaParams& p = bp.f;
-  p = make_params(q, k, v, dout, opts.g, gates, s, scale);
+  p = make_params(in.q(), in.k(), v, dout, opts.g, gates, s, scale);
   p.o = nullptr;
   p.h0 = opts.initial_state ? static_cast<const float*>(opts.initial_state->data) : nullptr;
   bp.dout = dout.data;
@@ -424,6 +451,11 @@ void linear_attention_backward(const TensorView& q, const TensorView& k, const T
   if (grouped)
     kernel_for(q, s, gates, "flexc_gla_reduce", what, true)
         .launch(unsigned(s.T), unsigned(s.Hk), unsigned(s.B), 128, 0, opts.stream, bwd_args);
+  // The gradients so far are phi(q)'s and phi(k)'s: through phi'.
+  if (opts.feature_map) {
+    detail::run_feature_map(*opts.feature_map, q, grads.dq, true, opts.stream);
+    detail::run_feature_map(*opts.feature_map, k, grads.dk, true, opts.stream);
+  }
 }
 
 void linear_attention_step(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -443,7 +475,8 @@ void linear_attention_step(const TensorView& q, const TensorView& k, const Tenso
   const double scale = check_scale(what, opts.scale, s.DK);
   if (s.B == 0 || s.H == 0 || s.T == 0) return;
 
-  FlexcGlaParams p = make_params(q, k, v, out, opts.g, gates, s, scale);
+  const FeatureInputs in(opts.feature_map, q, k, opts.stream, opts.workspace, what);
+  FlexcGlaParams p = make_params(in.q(), in.k(), v, out, opts.g, gates, s, scale);
   p.ht = static_cast<float*>(state.data);
   const jit::Kernel& step = kernel_for(q, s, gates, "flexc_gla_step", what);
   void* args[] = {&p};

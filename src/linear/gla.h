@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <string>
 
+#include "flexc/linear.h"
 #include "flexc/tensor.h"
 #include "flexc/variant.h"
 #include "jit/jit.h"
@@ -34,5 +35,12 @@ size_t gla_backward_smem(int dk, int dv, bool scalar_gate);
 size_t gla_states_smem();
 // The JIT compiles every kernel for a variant; the linear kernels read none of it.
 const Variant& gla_variant();
+
+// A feature map's kernels (templates/gla_feature_map.cuh; the variant: feature_map_variant).
+jit::KernelSpec feature_map_spec(DType dtype, std::string arch);
+// y = phi(x) (grad: y *= phi'(x), y a gradient), x and y [n0, n1, n2, d] in one 16-bit type,
+// contiguous rows; enqueued on `stream`.
+void run_feature_map(const FeatureMap& fm, const TensorView& x, const TensorView& y, bool grad,
+                     CUstream_st* stream);
 
 }  // namespace flexc::detail

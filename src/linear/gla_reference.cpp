@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flexc/error.h"
@@ -418,9 +420,28 @@ void backward_group(const LinearReferenceProblem& p, double scale, int64_t b, in
   for (int64_t i = 0; i < T * DV; ++i) out.ref.dv[krow * DV + i] = rnd(dv_h[i]);
 }
 
+// The problem over phi(q), phi(k) rounded to the input type, as the kernels read them (unless
+// exact_ref: then phi's values themselves, for tests against finite differences).
+struct Mapped {
+  std::vector<float> q, k;
+  LinearReferenceProblem p;
+  explicit Mapped(const LinearReferenceProblem& in) : p(in) {
+    const FeatureMap& fm = *in.feature_map;
+    for (auto [src, dst] : {std::pair{in.q, &q}, {in.k, &k}}) {
+      dst->resize(src.size());
+      for (size_t i = 0; i < src.size(); ++i)
+        (*dst)[i] = static_cast<float>(in.exact_ref ? fm(src[i])
+                                                    : detail::round_to(in.dtype, fm(src[i])));
+    }
+    p.q = q, p.k = k;
+    p.feature_map.reset();
+  }
+};
+
 }  // namespace
 
 LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p) {
+  if (p.feature_map) return reference_linear_attention(Mapped(p).p);
   const double scale = check_problem(p, "flexc::reference_linear_attention");
   LinearReferenceResult r;
   const size_t out_n = size_t(p.batch * p.heads * p.seq_len * p.dv), state_n = size_t(p.batch * p.heads * p.dk * p.dv);
@@ -442,6 +463,19 @@ LinearReferenceGradients reference_linear_attention_backward(const LinearReferen
                                                              std::span<const float> dout,
                                                              std::span<const float> dstate) {
   constexpr const char* what = "flexc::reference_linear_attention_backward";
+  if (p.feature_map) {
+    check_problem(p, what);
+    LinearReferenceGradients r = reference_linear_attention_backward(Mapped(p).p, dout, dstate);
+    // d/dx of phi(x): dq and dk through phi' (ref rounds the product, as the kernel does).
+    const FeatureMap& fm = *p.feature_map;
+    for (auto [x, gold, ref] : {std::tuple{p.q, &r.gold.dq, &r.ref.dq}, {p.k, &r.gold.dk, &r.ref.dk}})
+      for (size_t i = 0; i < x.size(); ++i) {
+        const double d = fm.derivative(x[i]);
+        (*gold)[i] *= d;
+        (*ref)[i] = p.exact_ref ? (*ref)[i] * d : detail::round_to(p.dtype, (*ref)[i] * d);
+      }
+    return r;
+  }
   const double scale = check_problem(p, what);
   const int64_t rows = p.batch * p.heads * p.seq_len, krows = p.batch * p.k_heads * p.seq_len;
   const int64_t states = p.batch * p.heads * p.dk * p.dv;

@@ -25,6 +25,7 @@ struct LinearVariant::Impl {
   std::string name, description;
   LinearGate gate = LinearGate::PerDim;
   std::optional<dsl::Mod> log_decay;  // per_head: checked, an expression of h alone
+  std::optional<FeatureMap> feature_map;
   std::optional<double> scale;
 };
 
@@ -75,6 +76,8 @@ LinearVariant LinearVariant::from_json(std::string_view json_text, std::string_v
                                 where, name));
     impl->log_decay = std::move(m);
   }
+  if (!c.feature_map.empty())
+    impl->feature_map = FeatureMap::parse(c.feature_map, fmt::format("{}: feature_map", origin));
   return LinearVariant(std::move(impl));
 }
 
@@ -117,6 +120,7 @@ const std::string& LinearVariant::name() const { return impl_->name; }
 const std::string& LinearVariant::description() const { return impl_->description; }
 LinearGate LinearVariant::gate() const { return impl_->gate; }
 std::optional<double> LinearVariant::scale() const { return impl_->scale; }
+const std::optional<FeatureMap>& LinearVariant::feature_map() const { return impl_->feature_map; }
 
 std::string LinearVariant::log_decay_text() const {
   if (!impl_->log_decay) return "";
@@ -170,6 +174,11 @@ std::vector<CompiledKernel> compile_linear_kernels(const LinearVariant& v, std::
   std::vector<CompiledKernel> out;
   for (jit::Compiled& k : jit::compile_all(detail::gla_variant(), specs))
     out.push_back(jit::to_compiled_kernel(std::move(k), specs[out.size()].arch));
+  if (v.feature_map()) {
+    const jit::KernelSpec spec = detail::feature_map_spec(c.dtype, c.arch);
+    out.push_back(jit::to_compiled_kernel(
+        jit::compile(detail::feature_map_variant(*v.feature_map()), spec), spec.arch));
+  }
   return out;
 }
 

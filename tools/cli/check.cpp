@@ -60,6 +60,11 @@ void print(const LinearVariant& v) {
     fmt::print("  log_decay   {}\n", v.log_decay_text());
     fmt::print("    h 0..3    {}\n", fmt::join(decays, ", "));
   }
+  if (v.feature_map()) {
+    const FeatureMap& fm = *v.feature_map();
+    fmt::print("  feature_map {}  (on q and k)\n", fm.text());
+    fmt::print("    x -1, 0, 1  {:.6g}, {:.6g}, {:.6g}\n", fm(-1), fm(0), fm(1));
+  }
   if (v.scale()) fmt::print("  scale       {}\n", *v.scale());
 }
 

@@ -119,12 +119,14 @@ void run(const Options& o) {
   };
   for (const std::string& config : o.configs) {
     if (LinearVariant::is_linear_config(config)) {
-      // A linear-attention config: its forward (with the step) and backward modules.
+      // A linear-attention config: its forward (with the step) and backward modules, and its
+      // feature map's.
       const LinearVariant v = LinearVariant::load(config);
       const std::vector<CompiledKernel> out = compile_linear_kernels(
           v, o.arch, o.dtype, o.head_dim, o.v_head_dim ? o.v_head_dim : o.head_dim, o.gate_dtype);
       report(v.name(), "gla", out[0]);
       report(v.name(), "gla_backward", out[1]);
+      if (out.size() > 2) report(v.name(), "gla_feature_map", out[2]);
       continue;
     }
     const Variant v = load_variant(config, o.precision);
@@ -167,7 +169,7 @@ const Register reg{
                     "alone: cubin)");
       c->add_option("--gate-dtype", o->gate_dtype,
                     "linear-attention configs: the gates' type, float32, bf16 or fp16 (their "
-                    "kernels: gla, gla_backward; --head-dim and --v-head-dim are DK and DV)")
+                    "kernels: gla, gla_backward, gla_feature_map with a feature map; --head-dim and --v-head-dim are DK and DV)")
           ->capture_default_str();
       c->add_flag("--timings", o->timings, "print NVRTC and total times");
       add_precision_option(c, o->precision);

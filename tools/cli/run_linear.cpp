@@ -135,6 +135,7 @@ void run_linear(const LinearRunArgs& a) {
   opts.g = g_view;
   opts.final_state = TensorView{state_dev.get(), DType::F32, state_shape, {}};
   opts.scale = a.scale ? a.scale : lv.scale();
+  opts.feature_map = lv.feature_map();
   const auto forward = [&] {
     linear_attention(view(q_dev, q.shape), view(k_dev, k.shape), view(v_dev, v.shape),
                      view(out_dev, out_shape), opts);
@@ -161,6 +162,7 @@ void run_linear(const LinearRunArgs& a) {
   ref.per_dim_gates = gate == LinearGate::PerDim;
   ref.scale = opts.scale;
   ref.dtype = dtype;
+  ref.feature_map = lv.feature_map();
   if (a.check) {
     if (B * H * T * DK * DV > kMaxCheckWork)
       throw Error(fmt::format("--check runs the float64 recurrence on the CPU; B * H * T * DK * DV "
@@ -191,6 +193,7 @@ void run_linear(const LinearRunArgs& a) {
   LinearBackwardOptions bo;
   bo.g = g_view;
   bo.scale = opts.scale;
+  bo.feature_map = lv.feature_map();
   const auto backward = [&] {
     linear_attention_backward(view(q_dev, q.shape), view(k_dev, k.shape), view(v_dev, v.shape),
                               view(dout_dev, out_shape), grads, bo);
