@@ -210,7 +210,8 @@ class Checker {
       if (name == "x") return made(g_.input(Input::Score), n);
       if (find_input(name)) {
         error(n.range, fmt::format("a feature map is an expression of x alone; '{}' is not visible "
-                                   "here", name));
+                                   "here",
+                                   clip(name)));
         return {};
       }
     } else if (const auto in = find_input(name)) {
