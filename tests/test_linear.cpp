@@ -220,6 +220,29 @@ void for_kernel_configs(Fn fn) {
       }
 }
 
+// Central differences of loss() over every element of x against the gradient dx (float inputs:
+// a step of 1e-3 keeps the rounding of the perturbed value far below the difference).
+template <class Loss>
+void check_finite_differences(const std::string& name, std::vector<float>& x,
+                              const std::vector<double>& dx, Loss loss) {
+  REQUIRE(dx.size() == x.size());
+  double worst = 0, size = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float x0 = x[i], h = 1e-3f;
+    x[i] = x0 + h;
+    const double up = loss();
+    x[i] = x0 - h;
+    const double down = loss();
+    x[i] = x0;
+    const double fd = (up - down) / (double(x0 + h) - double(x0 - h));
+    worst = std::max(worst, std::abs(fd - dx[i]));
+    size = std::max(size, std::abs(dx[i]));
+  }
+  INFO(name << ": worst |fd - grad| " << worst << ", max |grad| " << size);
+  CHECK(size > 0);
+  CHECK(worst < 2e-4 * std::max(1.0, size));
+}
+
 // worst = max(worst, max |x - gold|), size = max(size, max |gold|).
 void max_abs(const std::vector<double>& gold, const std::vector<double>& x, double& worst,
              double& size) {
@@ -367,26 +390,8 @@ TEST_CASE("linear reference: the gradients equal finite differences", "[linear]"
       for (size_t i = 0; i < dstate.size(); ++i) l += r.gold_state[i] * dstate[i];
       return l;
     };
-    // Central differences over every input element (float inputs: a step of 1e-3 keeps the
-    // rounding of the perturbed value far below the difference).
     auto check = [&](const char* name, std::vector<float>& x, const std::vector<double>& dx) {
-      REQUIRE(dx.size() == x.size());
-      double worst = 0, size = 0;
-      for (size_t i = 0; i < x.size(); ++i) {
-        const float x0 = x[i], h = 1e-3f;
-        x[i] = x0 + h;
-        const double up = loss();
-        x[i] = x0 - h;
-        const double down = loss();
-        x[i] = x0;
-        const double fd = (up - down) / (double(x0 + h) - double(x0 - h));
-        worst = std::max(worst, std::abs(fd - dx[i]));
-        size = std::max(size, std::abs(dx[i]));
-      }
-      INFO(name_of(gates) << " " << name << ": worst |fd - grad| " << worst << ", max |grad| "
-                          << size);
-      CHECK(size > 0);
-      CHECK(worst < 2e-4 * std::max(1.0, size));
+      check_finite_differences(fmt::format("{} {}", name_of(gates), name), x, dx, loss);
     };
     check("dq", c.q, grad.gold.dq);
     check("dk", c.k, grad.gold.dk);
@@ -488,23 +493,8 @@ TEST_CASE("linear reference: gradients through a feature map equal finite differ
     for (size_t i = 0; i < dout.size(); ++i) l += r.gold_out[i] * dout[i];
     return l;
   };
-  for (auto [name, x, dx] : {std::tuple{"dq", &c.q, &grad.gold.dq}, {"dk", &c.k, &grad.gold.dk}}) {
-    double worst = 0, size = 0;
-    for (size_t i = 0; i < x->size(); ++i) {
-      const float x0 = (*x)[i], h = 1e-3f;
-      (*x)[i] = x0 + h;
-      const double up = loss();
-      (*x)[i] = x0 - h;
-      const double down = loss();
-      (*x)[i] = x0;
-      const double fd = (up - down) / (double(x0 + h) - double(x0 - h));
-      worst = std::max(worst, std::abs(fd - (*dx)[i]));
-      size = std::max(size, std::abs((*dx)[i]));
-    }
-    INFO(name << ": worst |fd - grad| " << worst << ", max |grad| " << size);
-    CHECK(size > 0);
-    CHECK(worst < 2e-4 * std::max(1.0, size));
-  }
+  check_finite_differences("dq", c.q, grad.gold.dq, loss);
+  check_finite_differences("dk", c.k, grad.gold.dk, loss);
 }
 
 TEST_CASE("linear reference: sizes and positive gates are errors", "[linear]") {
