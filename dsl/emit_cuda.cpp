@@ -100,6 +100,9 @@ class BodyWriter {
   void need_offset(NodeId id) { offset_[id] = 1; }
   // Capture loads as ordinary loads, which the compiler keeps in place (flexc_hooks.cuh).
   void plain_loads() { plain_ = true; }
+  // Decides fast math's exact nodes as the hook computing `root` does (a part of it written
+  // alone, the relative terms, must round as it does there).
+  void exact_as_in(NodeId root) { context_ = reachable(g_, root); }
   // Takes `id`'s value from the C++ expression `value` instead of computing it (a capture load
   // the kernel made ahead of time): nothing it reads is computed for it.
   void substitute(NodeId id, std::string value) {
@@ -177,9 +180,23 @@ class BodyWriter {
         default:
           break;
       }
-      if ((value_[id] || offset_[id]) && (seed || exact_[id]))
+      const bool in_context = !context_.empty() && id < context_.size() && context_[id];
+      if ((value_[id] || offset_[id] || in_context) && (seed || exact_[id]))
         for (NodeId a : n.operands()) exact_[a] = 1;
     }
+  }
+
+  // 1 / c as a float literal when node `id` is a float constant c = +-2^k whose reciprocal is a
+  // normal float, else empty. Dividing by c then is multiplying by 1 / c, bit for bit: both round
+  // the same exact value x * 2^-k once (and agree on zeros, infinities and NaN).
+  std::string exact_reciprocal(NodeId id) const {
+    const Node& c = g_[id];
+    if (c.op != Op::Const || c.type != Type::Float || !std::isfinite(c.fval) || c.fval == 0)
+      return {};
+    int e = 0;
+    const double m = std::frexp(c.fval, &e);  // c = m * 2^e, |m| in [0.5, 1)
+    if (std::fabs(m) != 0.5 || e - 1 < -126 || e - 1 > 126) return {};
+    return float_literal(1.0 / c.fval);
   }
 
   // k when node `id` is the int constant 2^k (0 <= k <= 30), else -1.
@@ -201,9 +218,12 @@ class BodyWriter {
     std::string s = fmt::format("flexc_at(a.captures[{}]", n.slot);
     for (size_t d = 0; d < n.nargs; ++d) {
       const Node& i = g_[n.args[d]];
-      // In range by the hooks' contract: no integer modulo.
+      // In range by the hooks' contract: no integer modulo. A fixed extent is validated at launch,
+      // so it is a constant here (a modulo by a constant is a multiply, or a mask).
       if (i.op == Op::Input && in_range(i.input, c.dims[d]))
         s += ", " + ref(n.args[d]);
+      else if (c.dims[d].kind == Dim::Fixed)
+        s += fmt::format(", flexc_wrap({}, {})", ref(n.args[d]), int_literal(c.dims[d].extent));
       else
         s += fmt::format(", flexc_wrap({}, a.captures[{}].shape[{}])", ref(n.args[d]), n.slot, d);
     }
@@ -235,6 +255,8 @@ class BodyWriter {
         case Op::Mul:
           return infix("*");
         case Op::Div:
+          if (const std::string r = exact_reciprocal(n.args[1]); !r.empty())
+            return fmt::format("{} * {}", arg(0), r);
           return call("flexc_fast_div");
         case Op::Exp:
           return call("flexc_fast_exp");
@@ -284,6 +306,8 @@ class BodyWriter {
       case Op::Mul:
         return call(f ? "__fmul_rn" : "flexc_mul");
       case Op::Div:
+        if (const std::string r = exact_reciprocal(n.args[1]); !r.empty())
+          return fmt::format("__fmul_rn({}, {})", arg(0), r);
         return call("__fdiv_rn");
       case Op::FloorDiv:
         // By a power of two, floored division is an arithmetic shift and floored modulo a mask
@@ -372,7 +396,7 @@ class BodyWriter {
   std::string_view marker_;
   bool fast_;
   bool plain_ = false;
-  std::vector<char> value_, offset_, exact_;
+  std::vector<char> value_, offset_, exact_, context_;
   std::vector<std::string> subst_;
 };
 
@@ -418,6 +442,12 @@ std::vector<NodeId> column_loads(const Graph& g) {
   return out;
 }
 
+// A value of type t as the 32-bit word the kernels carry it in (columns_hook reads it back).
+std::string as_word(Type t, const std::string& value) {
+  return t == Type::Float ? fmt::format("__float_as_uint({})", value)
+                          : fmt::format("(unsigned){}", value);
+}
+
 // Loads of `g` as 32-bit words into cv[] (score_columns: the column loads; score_tiles: the tile
 // loads, element by element), which the `_cols` twin of its value hook reads back.
 std::string column_loader(const Graph& g, const Decls& decls, std::string_view marker,
@@ -426,12 +456,8 @@ std::string column_loader(const Graph& g, const Decls& decls, std::string_view m
   w.plain_loads();
   for (NodeId id : loads) w.need_value(id);
   std::string body = w.write();
-  for (size_t k = 0; k < loads.size(); ++k) {
-    const Type t = g[loads[k]].type;
-    body += fmt::format("    cv[{}] = {};\n", k,
-                        t == Type::Float ? fmt::format("__float_as_uint({})", w.ref(loads[k]))
-                                         : fmt::format("(unsigned){}", w.ref(loads[k])));
-  }
+  for (size_t k = 0; k < loads.size(); ++k)
+    body += fmt::format("    cv[{}] = {};\n", k, as_word(g[loads[k]].type, w.ref(loads[k])));
   return hook("void", name,
               "const FlexcArgs& a, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len, "
               "unsigned* cv",
@@ -521,7 +547,7 @@ std::string load_offsets(const Graph& g, const Decls& decls, std::string_view ma
               body);
 }
 
-// `loads` (the column loads, then the tile loads) read from cv[].
+// `loads` (the column loads, the tile loads, then the relative terms) read from cv[].
 std::string columns_hook(const Graph& g, const Decls& decls, std::string_view marker,
                          FloatMath math, const std::vector<NodeId>& loads, const char* ret,
                          const char* name, const char* params) {
@@ -536,6 +562,109 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
   std::string body = w.write();
   body += fmt::format("    return {};\n", w.ref(g.root));
   return hook(ret, name, fmt::format("{}, const unsigned* cv", params).c_str(), body);
+}
+
+// Relative terms: the parts of score_mod that read q_idx and kv_idx only through their difference
+// (`kv_idx - q_idx` or `q_idx - kv_idx`), and b, h, the lengths, params and captures otherwise: a
+// T5 bucketed bias, a decay in |q_idx - kv_idx|, a relative-position table. A tile of R rows and
+// C columns holds only R + C - 1 differences, so the Hopper kernel tabulates each term once per
+// tile in shared memory (templates/attention_tile.cuh, RelTable) and score_mod_cols reads it back:
+// one shared load per score instead of the term's math. Terms are the largest such subexpressions
+// (used by a node that reads the score or an index directly), at most kMaxRelTerms, those whose
+// per-score work weighs at least kRelMinCost (a load or a special function does; alibi's
+// slope[h] * (kv_idx - q_idx), a conversion and a multiply, does not).
+constexpr size_t kMaxRelTerms = 2;
+constexpr int kRelMinCost = 4;
+
+bool is_difference(const Graph& g, const Node& n) {
+  if (n.op != Op::Sub) return false;
+  const auto is = [&](NodeId id, Input i) { return g[id].op == Op::Input && g[id].input == i; };
+  return (is(n.args[0], Input::KvIdx) && is(n.args[1], Input::QIdx)) ||
+         (is(n.args[0], Input::QIdx) && is(n.args[1], Input::KvIdx));
+}
+
+// A rough per-score instruction weight of one operation of a relative term.
+int rel_cost(const Graph& g, const Node& n) {
+  switch (n.op) {
+    case Op::Load:
+    case Op::Div:
+    case Op::Exp:
+    case Op::Exp2:
+    case Op::Log:
+    case Op::Log2:
+    case Op::Sqrt:
+    case Op::Rsqrt:
+    case Op::Tanh:
+    case Op::Sigmoid:
+    case Op::Sin:
+    case Op::Cos:
+    case Op::Pow:
+      return 4;
+    case Op::FloorDiv:
+    case Op::Mod: {  // by a power of two: a shift or a mask (BodyWriter::expr)
+      const Node& c = g[n.args[1]];
+      const bool pow2 = n.type == Type::Int && c.op == Op::Const && c.ival > 0 &&
+                        c.ival <= (1 << 30) && (c.ival & (c.ival - 1)) == 0;
+      return pow2 ? 1 : 4;
+    }
+    default:
+      return 1;
+  }
+}
+
+std::vector<NodeId> relative_terms(const Graph& g) {
+  enum Kind : char { kFixed, kRel, kOther };  // ordered: a node is the max of its operands
+  std::vector<char> kind(g.size(), kFixed);
+  std::vector<int> cost(g.size(), 0);
+  for (NodeId id = 0; id < g.size(); ++id) {
+    const Node& n = g[id];
+    if (n.op == Op::Input) {
+      kind[id] = n.input == Input::Score || n.input == Input::QIdx || n.input == Input::KvIdx
+                     ? kOther
+                     : kFixed;
+      continue;
+    }
+    if (is_difference(g, n)) {
+      kind[id] = kRel;
+      continue;
+    }
+    for (NodeId a : n.operands()) kind[id] = std::max(kind[id], kind[a]);
+    if (kind[id] != kRel) continue;
+    cost[id] = rel_cost(g, n);
+    for (NodeId a : n.operands()) cost[id] = std::min(cost[id] + cost[a], 1 << 20);
+  }
+  const std::vector<char> used = reachable(g, g.root);
+  std::vector<char> term(g.size(), 0);
+  if (kind[g.root] == kRel) term[g.root] = 1;
+  for (NodeId id = 0; id <= g.root; ++id)
+    if (used[id] && kind[id] == kOther)
+      for (NodeId a : g[id].operands())
+        if (kind[a] == kRel) term[a] = 1;
+  std::vector<NodeId> out;
+  for (NodeId id = 0; id <= g.root; ++id)
+    if (term[id] && cost[id] >= kRelMinCost) out.push_back(id);
+  std::stable_sort(out.begin(), out.end(), [&](NodeId a, NodeId b) { return cost[a] > cost[b]; });
+  if (out.size() > kMaxRelTerms) out.resize(kMaxRelTerms);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// The relative terms at difference d = kv_idx - q_idx as 32-bit words in tv[] (score_mod_cols
+// reads them back after the column and tile loads).
+std::string rel_terms_hook(const Graph& g, const Decls& decls, FloatMath math,
+                           const std::vector<NodeId>& terms) {
+  BodyWriter w(g, decls, "score_mod", math);
+  w.exact_as_in(g.root);
+  for (NodeId id = 0; id < g.size(); ++id)
+    if (is_difference(g, g[id]))
+      w.substitute(id, g[g[id].args[0]].input == Input::KvIdx ? "d" : "flexc_neg(d)");
+  for (NodeId id : terms) w.need_value(id);
+  std::string body = w.write();
+  for (size_t k = 0; k < terms.size(); ++k)
+    body += fmt::format("    tv[{}] = {};\n", k, as_word(g[terms[k]].type, w.ref(terms[k])));
+  return hook("void", "score_rel_terms",
+              "const FlexcArgs& a, int b, int h, int d, int q_len, int kv_len, unsigned* tv",
+              body);
 }
 
 bool tiles_share_heads(const Graph& score, const std::vector<TileLoad>& tiles) {
@@ -589,6 +718,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
   std::vector<NodeId> tile_ids;
   std::vector<ColumnLayout> tile_layout;
   for (const TileLoad& t : tiles) tile_ids.push_back(t.id), tile_layout.push_back(t.layout);
+  const std::vector<NodeId> rel_terms = relative_terms(score);
   // One of a layout's fields as a function of the load's number k (0 past the loads).
   const auto field = [&](const std::vector<ColumnLayout>& l, auto member) {
     std::string s;
@@ -618,7 +748,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kScoreTilesShareHeads = {};\n"
       "  __device__ static constexpr int score_tile_slot(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_tile_dim(int k) {{ return {}; }}\n"
-      "  __device__ static constexpr int score_tile_type(int k) {{ return {}; }}\n\n",
+      "  __device__ static constexpr int score_tile_type(int k) {{ return {}; }}\n"
+      "  static constexpr int kScoreRelTerms = {};\n\n",
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
@@ -626,7 +757,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
       field(layout, &ColumnLayout::dim), field(layout, &ColumnLayout::type), tiles.size(),
       tiles_share_heads(score, tiles),
       field(tile_layout, &ColumnLayout::slot), field(tile_layout, &ColumnLayout::dim),
-      field(tile_layout, &ColumnLayout::type));
+      field(tile_layout, &ColumnLayout::type), rel_terms.size());
 
   const FloatMath math = in.score_math;
   out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);
@@ -636,8 +767,10 @@ std::string emit_cuda_variant(const EmitInput& in) {
   out += load_offsets(score, decls, "score_mod", score_cols, "score_column_offsets");
   out += column_loader(score, decls, "score_mod", tile_ids, "score_tiles");
   out += load_offsets(score, decls, "score_mod", tile_ids, "score_tile_offsets");
+  out += rel_terms_hook(score, decls, math, rel_terms);
   std::vector<NodeId> read_from_cv = score_cols;
   read_from_cv.insert(read_from_cv.end(), tile_ids.begin(), tile_ids.end());
+  read_from_cv.insert(read_from_cv.end(), rel_terms.begin(), rel_terms.end());
   out += columns_hook(score, decls, "score_mod", math, read_from_cv, "float", "score_mod_cols",
                       kScoreParams);
 
@@ -658,7 +791,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
 LaunchFacts launch_facts(const EmitInput& in) {
   if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
   const Graph score = simplify(*in.score);
-  return {tiles_share_heads(score, tile_loads(score, *in.decls))};
+  return {tiles_share_heads(score, tile_loads(score, *in.decls)),
+          static_cast<int>(relative_terms(score).size())};
 }
 
 }  // namespace flexc::dsl

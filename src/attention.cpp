@@ -93,6 +93,8 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim) {
   return c;
 }
 
+size_t fwd_sm90_rel_bytes(int rel_terms) { return size_t(2) * 2 * 256 * 4 * rel_terms; }
+
 // The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
 // every dim longer than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is
 // never loaded.
@@ -343,8 +345,10 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
   const bool heads_first = hopper && kernel.facts().score_tiles_share_heads;
+  const size_t smem =
+      cfg.smem_bytes + (hopper ? detail::fwd_sm90_rel_bytes(kernel.facts().score_rel_terms) : 0);
   kernel.launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
-                unsigned(B), unsigned(cfg.threads), cfg.smem_bytes, opts.stream, argv.data());
+                unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
 }
 
 }  // namespace flexc

@@ -50,15 +50,22 @@ using QTile = Sw128Tile<kBlockM, kD>;
 using KTile = Sw128Tile<kBlockN, kD>;
 using VTile = Sw128Tile<kBlockN, kDv>;
 using OTile = Sw128Tile<kBlockM, kDv>;  // the epilogue's staging, over Q
+// score_mod's relative terms, tabulated per consumer (64 rows) and kv tile: two tables per
+// consumer, since it fills the next tile's while the last one's may still be read.
+using RelTable = flexc_attn::RelTable<64, kBlockN>;
+constexpr int kRelBytes = 2 * 2 * RelTable::kWords * 4;
 // Shared memory: Q (or O's staging, the larger), K[kStages], V[kStages] (each 1024-byte aligned:
 // the sizes are multiples of 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the
-// last 32), then the mbarriers. The host adds 1024 bytes for aligning the dynamic base.
+// last 32), then the mbarriers and the relative-term tables (src/attention.cpp adds their bytes
+// by dsl::LaunchFacts). The host adds 1024 bytes for aligning the dynamic base.
 constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
 constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
-constexpr int kSmemBytes = kQBytes + kStages * (KTile::kBytes + VTile::kBytes) + 8 * kBarriers;
+constexpr int kSmemBytes =
+    kQBytes + kStages * (KTile::kBytes + VTile::kBytes) + 8 * kBarriers + kRelBytes;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
-// Named barriers: 0 is __syncthreads; ping-pong turns of consumers 0 / 1; per-consumer epilogue.
-constexpr int kTurnBarrier = 1, kEpilogueBarrier = 3;
+// Named barriers: 0 is __syncthreads; ping-pong turns of consumers 0 / 1; per-consumer epilogue;
+// per-consumer relative-term tables.
+constexpr int kTurnBarrier = 1, kEpilogueBarrier = 3, kRelBarrier = 5;
 
 using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
 using Scores = flexc_attn::ScoreTile<1, kNT>;
@@ -212,6 +219,19 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // issued before this consumer waits for its turn and for S: the wait hides their latency.
   typename Scores::Columns cols;
   auto load_columns = [&] { Scores::load_columns(cols, p, args, b, h, row0, sched.start(cur)); };
+  // Its relative terms, tabulated by the consumer's 128 threads while Q.K^T runs (ahead of the
+  // wait, T5's cost 3% more, docs/perf.md), into the table of tile j's parity; the barrier orders
+  // the writes before every thread's reads, and those before the writes of tile j + 2.
+  auto fill_rel_table = [&](int j) {
+    if constexpr (RelTable::kTerms > 0) {
+      unsigned* table = reinterpret_cast<unsigned*>(smem_raw + (sm.bars + 8 * kBarriers - raw)) +
+                        (cw * 2 + (j & 1)) * RelTable::kWords;
+      RelTable::fill(table, args, b, h, q0 + q_rows + p.q_pos0, sched.start(cur),
+                     Scores::hook_q_len(p), p.kv_len, threadIdx.x & 127, 128);
+      named_sync(kRelBarrier + cw, 128);
+      cols.rel = RelTable::thread_view(table, (warp & 3) * 16);
+    }
+  };
   // Hooks and softmax of the tile `cur` in s (left as probabilities); whether O must be rescaled.
   auto softmax_tile = [&](float (&alpha)[1][2]) {
     Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur), &cols);
@@ -228,6 +248,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     wgmma_fence();
     issue_qk(s[0], sm.q, q_rows, sm.k_tile(0));
     pass_turn(0);
+    fill_rel_table(0);
     wgmma_wait<0>();
     fence_regs(s[0]);
     mbar_arrive(sm.k_empty(0));
@@ -247,6 +268,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
     issue_pv(o[0], pa, sm.v_tile(prev));
     pass_turn(j);
+    fill_rel_table(j);
     wgmma_wait<1>();  // S_j; P_{j-1}.V_{j-1} may still run
     fence_regs(s[0]);
     mbar_arrive(sm.k_empty(st));

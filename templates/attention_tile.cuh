@@ -126,6 +126,42 @@ __device__ __forceinline__ const T* at(const void* base, const long long (&strid
   return static_cast<const T*>(base) + b * stride[0] + h * stride[1];
 }
 
+// score_mod's relative terms (FlexcVariant::kScoreRelTerms: functions of d = kv_idx - q_idx, b
+// and h fixed, such as a T5 bucketed bias or a distance decay) for the ROWS x COLS scores of a
+// group of threads: ROWS + COLS - 1 differences, tabulated once per tile, where the scores would
+// compute each term ROWS x COLS times. A table holds kRelStride words per term, entry e at
+// d = col0 - (row0 + ROWS - 1) + e for the tile whose first row (query position) is row0 and
+// first column col0.
+constexpr int kRelStride = 256;
+template <int ROWS, int COLS>
+struct RelTable {
+  static constexpr int kTerms = FlexcVariant::kScoreRelTerms;
+  static constexpr int kEntries = ROWS + COLS - 1;
+  static constexpr int kWords = kTerms * kRelStride;
+  static_assert(kEntries <= kRelStride, "a tile's differences fit a table");
+
+  // Threads [0, threads) of the group fill `table` (thread `tid`); `q_len` as the hooks see it.
+  __device__ __forceinline__ static void fill(unsigned* table, const FlexcArgs& args, int b, int h,
+                                              int row0, int col0, int q_len, int kv_len, int tid,
+                                              int threads) {
+    const int d0 = col0 - (row0 + ROWS - 1);
+#pragma unroll 1
+    for (int e = tid; e < kEntries; e += threads) {
+      unsigned w[kTerms > 0 ? kTerms : 1];
+      FlexcVariant::score_rel_terms(args, b, h, d0 + e, q_len, kv_len, w);
+#pragma unroll
+      for (int k = 0; k < kTerms; ++k) table[k * kRelStride + e] = w[k];
+    }
+  }
+  // Where a warp's thread reads it (ScoreTile::Columns::rel), the warp's rows starting `row_off`
+  // rows into the group's: its score at fragment row r, column c (ScoreTile's layout) is entry
+  // c - r + ROWS - 1.
+  __device__ __forceinline__ static const unsigned* thread_view(const unsigned* table, int row_off) {
+    const int lane = threadIdx.x & 31;
+    return table + (ROWS - 1) - row_off - (lane >> 2) + (lane & 3) * 2;
+  }
+};
+
 // Which index a fragment tile's rows run along: queries (S = Q.K^T, the forward kernels) or keys
 // (S^T = K.Q^T, the backward kernel). The hooks always see logical (q_idx, kv_idx).
 enum class Rows { Q, Kv };
@@ -227,11 +263,15 @@ struct ScoreTile {
   // rows along Q: load_columns issues them ahead of the tile's scores (the Hopper kernel: before
   // it waits for its turn and for Q.K^T, which hide their latency) and apply_mods reads them.
   // Tile loads are 16-bit: a word holds a row's columns 2t and 2t + 1 of an n8 tile, raw bits.
+  // `rel`: the tile's relative terms (RelTable::thread_view), filled by the kernel.
   static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;
   static constexpr int kScoreTiles = FlexcVariant::kScoreTileLoads;
+  static constexpr int kRelTerms = FlexcVariant::kScoreRelTerms;
+  static constexpr int kScoreWords = kScoreCols + kScoreTiles + kRelTerms;
   struct Columns {
     unsigned score[NT][2][kScoreCols > 0 ? kScoreCols : 1];
     unsigned tile[MT][2][NT][kScoreTiles > 0 ? kScoreTiles : 1];
+    const unsigned* rel;
   };
   __device__ __forceinline__ static void load_columns(Columns& c, const FlexcAttentionParams& p,
                                                       const FlexcArgs& args, int b, int h,
@@ -392,7 +432,8 @@ struct ScoreTile {
   // unused when the derivative is 1 everywhere). The mask is evaluated without short-circuit so
   // the unrolled tile is straight-line code and row- or column-only terms (capture loads, index
   // wrapping) are computed once per row / column, not per element. With `cols` (rows along Q),
-  // score_mod's column loads come from there (load_columns of the same tile).
+  // score_mod's column loads and relative terms come from there (load_columns of the same tile,
+  // the kernel's RelTable).
   template <bool GRAD = false>
   __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
                                                     float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
@@ -414,15 +455,19 @@ struct ScoreTile {
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
               FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
-        if constexpr (kScoreCols + kScoreTiles > 0) {
+        if constexpr (kScoreWords > 0) {
           if (cols) {
-            unsigned cv[kScoreCols + kScoreTiles > 0 ? kScoreCols + kScoreTiles : 1];
+            unsigned cv[kScoreWords > 0 ? kScoreWords : 1];
 #pragma unroll
             for (int k = 0; k < kScoreCols; ++k) cv[k] = cols->score[j][e & 1][k];
 #pragma unroll
             for (int k = 0; k < kScoreTiles; ++k)
               cv[kScoreCols + k] = unpack(FlexcVariant::score_tile_type(k),
                                           cols->tile[i][e >> 1][j][k], e & 1);
+#pragma unroll
+            for (int k = 0; k < kRelTerms; ++k)
+              cv[kScoreCols + kScoreTiles + k] =
+                  cols->rel[k * kRelStride + 8 * j + (e & 1) - 16 * i - 8 * (e >> 1)];
             s[i][j][e] = FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
                                                       p.kv_len, cv);
             return;

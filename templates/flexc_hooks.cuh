@@ -56,6 +56,13 @@
 //   __device__ static constexpr int score_tile_slot(int k), score_tile_dim(int k),
 //                                   score_tile_type(int k);
 //   __device__ static void score_tile_offsets(/* as score_column_offsets */);
+//   // Relative terms (kScoreRelTerms, 0..2): score_mod's costly subexpressions that read q_idx and
+//   // kv_idx only through d = kv_idx - q_idx (a T5 bucket's bias, a distance decay), as 32-bit
+//   // words at one d, which a kernel tabulates per tile (attention_tile.cuh, RelTable);
+//   // score_mod_cols reads them from the cv after the tile loads.
+//   static constexpr int kScoreRelTerms;
+//   __device__ static void score_rel_terms(const FlexcArgs& a, int b, int h, int d, int q_len,
+//                                          int kv_len, unsigned* tv);
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in

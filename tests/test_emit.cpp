@@ -148,6 +148,46 @@ TEST_CASE("score_mod's 16-bit loads indexed by q_idx and kv_idx itself are tile 
   }
 }
 
+TEST_CASE("score_mod's costly terms in kv_idx - q_idx alone are relative terms", "[emit]") {
+  Decls d;
+  d.captures.push_back({"rel", DType::F32, {{Dim::H}, {Dim::Fixed, 511}}});
+  d.captures.push_back({"slope", DType::F32, {{Dim::H}}});
+  const auto terms = [&](std::string_view mod) {
+    const std::string text = emit(parse(mod, "true", d));
+    for (int n = 0; n <= 2; ++n)
+      if (has(text, fmt::format("kScoreRelTerms = {};", n))) return n;
+    return -1;
+  };
+  // A table gathered through the difference, a decay in either sign of it: one term each, read
+  // back from the word after the column loads.
+  CHECK(terms("score + rel[h, clamp(kv_idx - q_idx, -255, 255) + 255]") == 1);
+  CHECK(terms("score + exp(-abs(q_idx - kv_idx) / 256.0)") == 1);
+  CHECK(has(emit(parse("score * exp(float(kv_idx - q_idx) / 64.0)", "true", d)),
+            "__uint_as_float(cv[0])"));
+  // Two terms (and a third, cheaper one left inline); the largest subexpressions only.
+  CHECK(terms("score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - "
+              "float(abs(q_idx - kv_idx) // 64) * 0.01") == 2);
+  CHECK(terms("sqrt(float(abs(kv_idx - q_idx))) * score + log(1.0 + float(abs(q_idx - kv_idx))) "
+              "+ cos(float(kv_idx - q_idx))") == 2);
+  // Not: alibi's multiply (cheap), a term that also reads q_idx or the score, no difference.
+  for (const char* mod : {"score + slope[h] * (kv_idx - q_idx)",
+                          "score + exp(float(kv_idx - q_idx) / float(q_idx + 1))",
+                          "exp(score * float(kv_idx - q_idx) / 64.0)",
+                          "score + exp(float(kv_idx + q_idx) / 64.0)", "score"}) {
+    INFO(mod);
+    CHECK(terms(mod) == 0);
+  }
+  // Fast math keeps a term exact where the whole score_mod needs it: here the term decides a
+  // comparison through its sum with the score.
+  const Parsed cmp = parse("where(exp(float(kv_idx - q_idx) / 100.0) + score > 1.0, score, 0.0)",
+                           "true", d);
+  const std::string fast =
+      emit_cuda_variant({&cmp.score.graph, &cmp.mask.graph, &cmp.decls, "t", FloatMath::Fast});
+  const std::string rel_hook = fast.substr(fast.find("score_rel_terms("));
+  CHECK(has(rel_hook.substr(0, rel_hook.find("score_mod_cols(")), "expf("));
+  CHECK_FALSE(has(rel_hook.substr(0, rel_hook.find("score_mod_cols(")), "flexc_fast_exp("));
+}
+
 TEST_CASE("emitted text is deterministic and names no user identifier", "[emit]") {
   Decls d;
   d.captures.push_back({"my_secret_table", DType::BF16, {{Dim::Fixed, 8}}});
@@ -232,10 +272,11 @@ TEST_CASE("a capture index is wrapped unless it is the input its dim measures", 
   CHECK(has(alibi, "flexc_at(a.captures[0], h)"));
   CHECK_FALSE(has(alibi, "flexc_wrap"));
 
+  // A fixed extent (validated at launch) wraps by the constant.
   const std::string bias = emit(parse("score + bias[h, q_idx - kv_idx]", "true", d));
   CHECK(has(bias, "flexc_at(a.captures[1], h, flexc_wrap(t"));
-  CHECK(has(bias, ", a.captures[1].shape[1]))"));
-  CHECK_FALSE(has(bias, "shape[0]"));
+  CHECK(has(bias, ", 64))"));
+  CHECK_FALSE(has(bias, "shape["));
 
   // By dim, not by input: doc is [KV_LEN], so q_idx wraps there and kv_idx does not.
   const std::string doc = emit(parse("score", "doc[q_idx] == doc[kv_idx]", d));
@@ -307,8 +348,18 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
                       "true", t5)),
       "score_mod");
   CHECK(has(bucket, "log2f("));
-  CHECK(has(bucket, "__fdiv_rn("));
+  CHECK(has(bucket, ", 0.125f)"));  // / 8.0 exactly: a multiply by 1 / 8
+  CHECK_FALSE(has(bucket, "__fdiv_rn("));
   CHECK(has(bucket, "__fmul_rn(2.0f, "));
+  // Division by +-2^k is the multiply by 2^-k in either mode; by anything else it divides.
+  const Parsed pow2 = parse("score / 0.25 + score / -8.0 + score / 3.0", "true");
+  const std::string exact_pow2 = hook_body(emit(pow2), "score_mod");
+  CHECK(has(exact_pow2, "__fmul_rn(score, 4.0f)"));
+  CHECK(has(exact_pow2, "__fmul_rn(score, (-0.125f))"));
+  CHECK(has(exact_pow2, "__fdiv_rn(score, 3.0f)"));
+  const std::string fast_pow2 = hook_body(emit_fast(pow2), "score_mod");
+  CHECK(has(fast_pow2, "score * 4.0f"));
+  CHECK(has(fast_pow2, "flexc_fast_div(score, 3.0f)"));
   CHECK_FALSE(has(bucket, "flexc_fast_log2"));
   CHECK(has(bucket, "flexc_fast_log("));
   CHECK(has(bucket, "score * 0.5f"));
@@ -506,6 +557,11 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
       {"score * g[b, h, q_idx - 2147483647 - 1, kv_idx * -1000000007] - "
        "k[q_idx + 2147483647, q_idx]",
        "bf[kv_idx * 65537 - q_idx] < bf[q_idx] && i[-2147483648, h] != 0"},
+      // Two relative terms (one an int, one reading b and a param), beside a column load.
+      {"score * exp(float(kv_idx - q_idx) / pf) + k[1, kv_idx] - float(g[b, h, 1, "
+       "(q_idx - kv_idx) % 3] > 0.0 ? abs(kv_idx - q_idx) % pi : (q_idx - kv_idx) // 3) + "
+       "score / 0.25 - pf / -8.0",
+       "true"},
   };
   for (const auto& [score, mask] : written) {
     scores.push_back(parse_mod(ModKind::Score, score, decls, "score_mod").graph);
@@ -555,14 +611,17 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
         "    v{0}::FlexcVariant::accumulate_capture_grads(a, grads, 0.5f, s, p.b, p.h, p.q, p.kv, "
         "p.q_len, p.kv_len);\n"
         "    grads.flush_thread();\n"
-        // The column-load twins (loads made ahead, then read back) give the same bits, or
-        // both NaN (the compiler may order a max's operands differently in the two functions,
-        // and which NaN comes out is not part of the result: the interpreter check below
-        // compares NaN as NaN too).
-        "    unsigned cv[3] = {{}};\n"
+        // The twins (column and tile loads, relative terms made ahead, then read back) give
+        // the same bits, or both NaN (the compiler may order a max's operands differently in
+        // the two functions, and which NaN comes out is not part of the result: the
+        // interpreter check below compares NaN as NaN too).
+        "    unsigned cv[5] = {{}};\n"
         "    v{0}::FlexcVariant::score_columns(a, p.b, p.h, p.q, p.kv, p.q_len, p.kv_len, cv);\n"
         "    v{0}::FlexcVariant::score_tiles(a, p.b, p.h, p.q, p.kv, p.q_len, p.kv_len,\n"
         "                                    cv + v{0}::FlexcVariant::kScoreColumnLoads);\n"
+        "    v{0}::FlexcVariant::score_rel_terms(a, p.b, p.h, flexc_sub(p.kv, p.q), p.q_len,\n"
+        "        p.kv_len, cv + v{0}::FlexcVariant::kScoreColumnLoads +\n"
+        "                  v{0}::FlexcVariant::kScoreTileLoads);\n"
         "    const float rc = v{0}::FlexcVariant::score_mod_cols(a, s, p.b, p.h, p.q, p.kv, "
         "p.q_len, p.kv_len, cv);\n"
         "    if (std::bit_cast<unsigned>(rc) != std::bit_cast<unsigned>(r) && "

@@ -1,7 +1,7 @@
 // bench_attention: forward (or, with --backward, backward) attention TFLOP/s on the anchors' shapes
 // (../shared/anchors.md): 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for
-// noop and causal; the catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048) and
-// document (six equal documents) at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable
+// noop and causal; the catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048),
+// document (six equal documents) and t5_bias at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable
 // biases, each with and without its gradient: alibi / alibi_dslope, rel_bias / rel_bias_dbias (a
 // [H, 256] table indexed by the clamped relative position). With --gallery tools/gallery.json,
 // the gallery's variants instead (issue 11's broader sample: transcendental score_mods, learned
@@ -72,6 +72,7 @@ std::vector<Case> all_cases(bool backward) {
   for (const char* name : {"softcap", "sliding_window", "prefix_lm"})
     cases.push_back({name, 16384, 128, cat(name), {}});
   cases.push_back({"document", 16384, 128, cat("document"), {{"doc", "docs"}}});
+  cases.push_back({"t5_bias", 16384, 128, cat("t5_bias"), {{"bias", "ramp"}}});
   if (backward) {
     cases.push_back({"alibi_dslope", 16384, 128, cat("alibi"), {{"slope", "slopes"}}, true});
     const Variant rel = Variant::from_strings(kRelBias, "true", kRelBiasCaptures, {}, "rel_bias");

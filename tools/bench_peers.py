@@ -3,7 +3,7 @@
 
 Runs SDPA with the flash backend (FlashAttention-2) and the cuDNN backend, and
 torch.compile(flex_attention), on the anchors' shapes (../shared/anchors.md): 16k tokens per batch,
-H*D = 2048, S = 1k/4k/16k, D = 64/128 for no mask and causal; five variants at S = 16k, B = 1,
+H*D = 2048, S = 1k/4k/16k, D = 64/128 for no mask and causal; six variants at S = 16k, B = 1,
 H = 16, D = 128. With --flexc it first runs flexc's benchmark (its --json output) and prints
 flexc / peer ratios per case (> 1: flexc faster).
 
@@ -97,6 +97,16 @@ def make_case(name, s, h, device):
             None, (bias,) if bias.requires_grad else ()
     if name == "softcap":
         return (lambda sc, b, hh, q, kv: CAP * torch.tanh(sc / CAP)), None, ()
+    if name == "t5_bias":
+        # the catalogue's buckets over bench_attention's "ramp" table bias[h, 32]
+        bias = fill("ramp", (h, 32), "float32", device)
+
+        def t5(sc, b, hh, q, kv):
+            rel = kv - q
+            n = torch.abs(rel)
+            far = torch.clamp(8 + (2 * torch.log2(n / 8)).to(torch.int32), max=15)
+            return sc + bias[hh, torch.where(rel > 0, 16, 0) + torch.where(n < 8, n, far)]
+        return t5, None, ()
     if name == "sliding_window":
         return None, lambda b, hh, q, kv: (q >= kv) & (q - kv < WINDOW), ()
     if name == "prefix_lm":
@@ -166,7 +176,7 @@ def cases(backward, gallery, head_dims=False):
         for s in (1024, 4096, 16384):
             for name in ("noop", "causal"):
                 yield name, s, d
-    for name in ("alibi", "softcap", "sliding_window", "prefix_lm", "document"):
+    for name in ("alibi", "softcap", "sliding_window", "prefix_lm", "document", "t5_bias"):
         yield name, 16384, 128
     if backward:  # learnable biases, with and without their gradient
         for name in ("alibi_dslope", "rel_bias", "rel_bias_dbias"):
