@@ -93,7 +93,9 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim) {
   return c;
 }
 
-size_t fwd_sm90_rel_bytes(int rel_terms) { return size_t(2) * 2 * 256 * 4 * rel_terms; }
+size_t fwd_rel_bytes(int rel_terms, bool hopper) {
+  return size_t(hopper ? 2 : 1) * 2 * 256 * 4 * rel_terms;
+}
 
 // The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
 // every dim longer than 1 (no stride-0 broadcast of k or v over heads, say). An empty tensor is
@@ -346,7 +348,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
   const bool heads_first = hopper && kernel.facts().score_tiles_share_heads;
   const size_t smem =
-      cfg.smem_bytes + (hopper ? detail::fwd_sm90_rel_bytes(kernel.facts().score_rel_terms) : 0);
+      cfg.smem_bytes + detail::fwd_rel_bytes(kernel.facts().score_rel_terms, hopper);
   kernel.launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
                 unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
 }

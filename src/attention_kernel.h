@@ -29,10 +29,11 @@ struct TileConfig {
 TileConfig fwd_config(int head_dim, int v_head_dim);
 // The Hopper kernel's; throws flexc::Error for a head dim it does not support.
 TileConfig fwd_config_sm90(int head_dim, int v_head_dim);
-// What the Hopper kernel adds to its shared memory for `rel_terms` relative terms of score_mod
-// (dsl::LaunchFacts): two 256-word tables per term for each of its two consumers. At most 8 KiB,
-// which every configuration above leaves room for.
-size_t fwd_sm90_rel_bytes(int rel_terms);
+// What a forward kernel adds to its shared memory for `rel_terms` relative terms of score_mod
+// (dsl::LaunchFacts): two 256-word tables per term, for each of the Hopper kernel's two consumers
+// or for the portable kernel's CTA. At most 8 KiB, which every configuration above leaves room
+// for.
+size_t fwd_rel_bytes(int rel_terms, bool hopper);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 

@@ -49,10 +49,15 @@ using QTile = SmemTile<kBlockM, kD>;
 using KTile = SmemTile<kBlockN, kD>;
 using VTile = SmemTile<kBlockN, kDv>;
 using OTile = SmemTile<kBlockM, kDv>;  // the epilogue's staging, over Q
-// Shared memory: Q (or O, the larger), then kStages x (K, V). The host computes the same size.
+// score_mod's relative terms, tabulated per kv tile by the CTA: two tables, since the next
+// tile's is written while the last one's may still be read.
+using RelTable = flexc_attn::RelTable<kBlockM, kBlockN>;
+// Shared memory: Q (or O, the larger), then kStages x (K, V), then the relative-term tables
+// (src/attention.cpp adds their bytes by dsl::LaunchFacts). The host computes the same size.
 constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
-constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+constexpr int kRelBytes = 2 * RelTable::kWords * 4;
+constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kRelBytes;
 
 using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
 using Scores = flexc_attn::ScoreTile<kMT, kNT>;
@@ -119,8 +124,23 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
         ldmatrix_x4(q_frag[i][kk], frag_q(q_tile, warp * kWarpRows + i * 16, kk * 2));
   }
 
+  // The relative terms of tile `it` go to table it % 2 before the barrier that makes the tile
+  // visible; every thread read table it % 2 before the barrier of tile it + 1.
+  typename Scores::Columns cols;
+  auto fill_rel_table = [&](int it) {
+    if constexpr (RelTable::kTerms > 0) {
+      unsigned* table =
+          reinterpret_cast<unsigned*>(smem + kQBytes + kStages * kStageBytes) +
+          (it & 1) * RelTable::kWords;
+      RelTable::fill(table, args, b, h, q0 + p.q_pos0, sched.start(cur), Scores::hook_q_len(p),
+                     p.kv_len, threadIdx.x, kThreads);
+      cols.rel = RelTable::thread_view(table, warp * kWarpRows);
+    }
+  };
+
   for (int it = 0; it < sched.count; ++it) {
     cp_async_wait<kStages - 2>();  // groups: Q, then one per kv tile
+    fill_rel_table(it);
     // Tile `it` is visible to all warps, and all are done with the stage refilled next.
     __syncthreads();
     load_kv(it + kStages - 1);
@@ -145,7 +165,12 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
       });
     }
 
-    Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur));
+    if constexpr (RelTable::kTerms > 0) {  // score_mod_cols: the column loads with the terms
+      Scores::load_columns(cols, p, args, b, h, row0, sched.start(cur));
+      Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur), &cols);
+    } else {
+      Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur));
+    }
     sched.advance(cur);
     float alpha[kMT][2];
     // Once the row maxima settle, most tiles change none of them: skip the rescale then (the

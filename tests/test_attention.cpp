@@ -1051,10 +1051,10 @@ TEST_CASE("per-score tile loads of a Q_LEN x KV_LEN bias, issued ahead, match th
 TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // score_mod's costly terms in kv_idx - q_idx alone (dsl/emit_cuda.cpp): the Hopper kernel fills
-  // a table per consumer and kv tile, 64 + 128 - 1 entries (64 + 64 - 1 above D 128), two
-  // tables in flight. A gathered table with GQA, T5's buckets (exact log2 under fast math), two
-  // integer terms, a decay with a causal mask's partial tiles; odd lengths, Q_LEN != KV_LEN,
-  // queries at an offset, the portable kernel alike.
+  // a table per consumer and kv tile, 64 + 128 - 1 entries (64 + 64 - 1 above D 128), the
+  // portable one per CTA (128 + 64 - 1; 64 + 32 - 1 at D 256), two tables in flight. A gathered
+  // table with GQA, T5's buckets (exact log2 under fast math), two integer terms, a decay with a
+  // causal mask's partial tiles; odd lengths, Q_LEN != KV_LEN, queries at an offset.
   const std::vector<CaptureSpec> caps{{"rel", "float32", {"H", "511"}}};
   const Variant rel_table = Variant::from_strings(
       "score + rel[h, clamp(kv_idx - q_idx, -255, 255) + 255]", "true", caps, {}, "rel_table");
