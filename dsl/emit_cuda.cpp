@@ -567,7 +567,7 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
 // Relative terms: the parts of score_mod that read q_idx and kv_idx only through their difference
 // (`kv_idx - q_idx` or `q_idx - kv_idx`), and b, h, the lengths, params and captures otherwise: a
 // T5 bucketed bias, a decay in |q_idx - kv_idx|, a relative-position table. A tile of R rows and
-// C columns holds only R + C - 1 differences, so the Hopper kernel tabulates each term once per
+// C columns holds only R + C - 1 differences, so the forward kernels tabulate each term once per
 // tile in shared memory (templates/attention_tile.cuh, RelTable) and score_mod_cols reads it back:
 // one shared load per score instead of the term's math. Terms are the largest such subexpressions
 // (used by a node that reads the score or an index directly), at most kMaxRelTerms, those whose

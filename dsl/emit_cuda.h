@@ -42,8 +42,8 @@ struct LaunchFacts {
   // head from blockIdx.x and its q tile from blockIdx.y, so that the CTAs of one q tile's heads
   // launch together and share the capture's rows in L2.
   bool score_tiles_share_heads = false;
-  // FlexcVariant::kScoreRelTerms: score_mod's terms in kv_idx - q_idx that the Hopper forward
-  // kernel tabulates per tile in shared memory (its launch adds their bytes).
+  // FlexcVariant::kScoreRelTerms: score_mod's terms in kv_idx - q_idx that the forward kernels
+  // tabulate per tile in shared memory (their launch adds the bytes).
   int score_rel_terms = 0;
 };
 LaunchFacts launch_facts(const EmitInput& in);
