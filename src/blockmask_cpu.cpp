@@ -72,6 +72,30 @@ BlockMask::Host lists_from_grid(std::span<const uint8_t> grid, int64_t groups, i
   return m;
 }
 
+TileKeptCounter::TileKeptCounter(const MaskProblem& p) : p_(p) {
+  env_.ints[static_cast<int>(dsl::Input::QLen)] = p.hook_q_len();
+  env_.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
+  env_.params = p.params;
+  env_.captures = p.captures;
+}
+
+double TileKeptCounter::kept(const BlockMask& bm, int64_t b, int64_t h, int64_t qt, int64_t kt) {
+  const int64_t q0 = qt * p_.q_tile, q1 = std::min(p_.q_len, q0 + p_.q_tile);
+  const int64_t k0 = kt * p_.kv_tile, k1 = std::min(p_.kv_len, k0 + p_.kv_tile);
+  const TileKind kind = bm.tile(b, h, qt, kt);
+  if (kind != TileKind::Partial) return kind == TileKind::Full ? double(q1 - q0) * (k1 - k0) : 0;
+  env_.ints[static_cast<int>(dsl::Input::B)] = b;
+  env_.ints[static_cast<int>(dsl::Input::H)] = h;
+  double kept = 0;
+  for (int64_t q = q0; q < q1; ++q)
+    for (int64_t k = k0; k < k1; ++k) {
+      env_.ints[static_cast<int>(dsl::Input::QIdx)] = p_.q_offset + q;
+      env_.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
+      kept += dsl::evaluate(*p_.mask, env_, dsl::Precision::F32, scratch_).i != 0;
+    }
+  return kept;
+}
+
 }  // namespace flexc::detail
 
 namespace flexc {
@@ -86,31 +110,12 @@ double mask_density(const Variant& v, const BlockMask& bm, int64_t B, int64_t H,
         "B {}, H {} and these options",
         bm.nb(), bm.nh(), bm.q_tile(), bm.kv_tile(), p.variant_name, B, H));
   if (p.q_len == 0 || p.kv_len == 0) return 0.0;
-  dsl::EvalEnv env;
-  env.ints[static_cast<int>(dsl::Input::QLen)] = p.hook_q_len();
-  env.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
-  env.params = p.params;
-  env.captures = p.captures;
-  std::vector<dsl::Value> scratch;
+  detail::TileKeptCounter counter(p);
   double kept = 0;  // over one batch and head of each broadcast group, which weigh the same
   for (int64_t b = 0; b < p.nb; ++b)
     for (int64_t h = 0; h < p.nh; ++h)
       for (int64_t qt = 0; qt < p.nqt; ++qt)
-        for (int64_t kt = 0; kt < p.nkt; ++kt) {
-          const int64_t q0 = qt * p.q_tile, q1 = std::min(p.q_len, q0 + p.q_tile);
-          const int64_t k0 = kt * p.kv_tile, k1 = std::min(p.kv_len, k0 + p.kv_tile);
-          const TileKind kind = bm.tile(b, h, qt, kt);
-          if (kind == TileKind::Full) kept += double(q1 - q0) * double(k1 - k0);
-          if (kind != TileKind::Partial) continue;
-          env.ints[static_cast<int>(dsl::Input::B)] = b;
-          env.ints[static_cast<int>(dsl::Input::H)] = h;
-          for (int64_t q = q0; q < q1; ++q)
-            for (int64_t k = k0; k < k1; ++k) {
-              env.ints[static_cast<int>(dsl::Input::QIdx)] = p.q_offset + q;
-              env.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
-              kept += dsl::evaluate(*p.mask, env, dsl::Precision::F32, scratch).i != 0;
-            }
-        }
+        for (int64_t kt = 0; kt < p.nkt; ++kt) kept += counter.kept(bm, b, h, qt, kt);
   return kept / (double(p.nb * p.nh) * double(p.q_len) * double(p.kv_len));
 }
 

@@ -63,6 +63,19 @@ void check_mask_bytes(std::string_view what, int64_t groups, int64_t nqt, int64_
 MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_len, int64_t kv_len,
                             const BlockMaskOptions& opts);
 
+// The elements of tile (b, h, qt, kt) that mask_mod keeps (float32, as the kernels decide), `bm`
+// being p's BlockMask: a full tile's count, a partial one's by the interpreter, an empty one's 0.
+class TileKeptCounter {
+ public:
+  explicit TileKeptCounter(const MaskProblem& p);
+  double kept(const BlockMask& bm, int64_t b, int64_t h, int64_t qt, int64_t kt);
+
+ private:
+  const MaskProblem& p_;
+  dsl::EvalEnv env_;
+  std::vector<dsl::Value> scratch_;
+};
+
 // A box of tiles, half-open: batches [b0, b1), heads [h0, h1) (broadcast coordinates: within
 // [0, nb) x [0, nh)), q tiles [q0, q1), kv tiles [k0, k1). The GPU builder uploads these as is.
 struct TileBox {

@@ -114,6 +114,22 @@ TEST_CASE("sizes are checked before anything is allocated", "[cli]") {
   std::filesystem::remove(f);
 }
 
+TEST_CASE("ring-plan prints a ring's schedule and names a bad option", "[cli]") {
+  const Result r = run_cli("ring-plan @document --ranks 2 --seq-len 1024 --capture doc=docs:2 "
+                           "--sharding contiguous");
+  INFO(r.output);
+  CHECK(r.status == 0);
+  // Two documents of 512 tokens, one per rank: the off-diagonal blocks are empty.
+  CHECK(r.output.find("blocks computed 2 of 4, skipped 2; sends skipped 2 of 2") !=
+        std::string::npos);
+  refused("ring-plan @causal --ranks 4 --seq-len 1000",
+          "seq_len 1000 must be a multiple of 8 chunks (4 ranks, zigzag) x 128-token tiles");
+  refused("ring-plan @causal --ranks 0 --seq-len 1024", "--ranks: 0 is too small (at least 1)");
+  refused("ring-plan @document --ranks 2 --seq-len 1024",
+          "mask_mod reads capture 'doc': pass --capture doc=doc:S1,S2,...");
+  refused("ring-plan @causal --ranks 2 --seq-len 1024 --sharding diagonal", "--sharding");
+}
+
 TEST_CASE("a description is printed with its control characters escaped", "[cli]") {
   const std::filesystem::path f =
       std::filesystem::temp_directory_path() / fmt::format("flexc_cli_{}.json", getpid());

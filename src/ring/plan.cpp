@@ -1,0 +1,164 @@
+// flexc::plan_ring: ring attention's schedule from the BlockMask of the whole sequence.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "../blockmask_impl.h"
+#include "flexc/error.h"
+#include "flexc/ring.h"
+
+namespace flexc {
+namespace {
+
+constexpr const char* kWhat = "plan_ring";
+
+void check_shape(const RingShape& s, int64_t tile) {
+  const auto positive = [](const char* name, int64_t v) {
+    if (v < 1) throw Error(fmt::format("{}: {} must be >= 1; got {}", kWhat, name, v));
+  };
+  positive("ranks", s.ranks);
+  positive("seq_len", s.seq_len);
+  positive("batch", s.batch);
+  positive("q_heads", s.q_heads);
+  positive("kv_heads", s.kv_heads);
+  positive("head_dim", s.head_dim);
+  positive("tile", tile);
+  if (s.q_heads % s.kv_heads != 0)
+    throw Error(fmt::format("{}: q_heads {} is not a multiple of kv_heads {}", kWhat, s.q_heads,
+                            s.kv_heads));
+  const int64_t chunks = s.ranks * (s.sharding == Sharding::Zigzag ? 2 : 1);
+  if (s.seq_len % (chunks * tile) != 0)
+    throw Error(fmt::format(
+        "{}: seq_len {} must be a multiple of {} chunks ({} ranks, {}) x {}-token tiles = {}; pad "
+        "the sequence",
+        kWhat, s.seq_len, chunks, s.ranks,
+        s.sharding == Sharding::Zigzag ? "zigzag" : "contiguous", tile, chunks * tile));
+}
+
+}  // namespace
+
+RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptions& opts) {
+  check_shape(shape, opts.tile);
+  const int64_t n = shape.ranks;
+  const bool zigzag = shape.sharding == Sharding::Zigzag;
+  RingPlan plan;
+  plan.shape = shape;
+  plan.tile = opts.tile;
+  const int64_t num_chunks = n * (zigzag ? 2 : 1);
+  plan.chunk_len = shape.seq_len / num_chunks;
+  std::vector<int64_t> owner(num_chunks);
+  for (int64_t c = 0; c < num_chunks; ++c) owner[c] = c < n ? c : 2 * n - 1 - c;
+  plan.chunks.resize(n);
+  for (int64_t c = 0; c < num_chunks; ++c) plan.chunks[owner[c]].push_back(c);
+
+  BlockMaskOptions bo;
+  bo.q_tile = bo.kv_tile = opts.tile;
+  bo.params = opts.params;
+  bo.captures = opts.captures;
+  bo.device = BuildDevice::Cpu;
+  const BlockMask bm = create_block_mask(v, shape.batch, shape.q_heads, shape.seq_len,
+                                         shape.seq_len, bo);
+  const detail::MaskProblem p =
+      detail::resolve_problem(v, shape.batch, shape.q_heads, shape.seq_len, shape.seq_len, bo);
+  detail::TileKeptCounter counter(p);
+
+  // Per (query rank, kv rank): tiles and kept elements over all batches and heads (a broadcast
+  // group stands for B * H / (nb * nh) of them).
+  const int64_t tiles_per_chunk = plan.chunk_len / opts.tile;
+  const int64_t copies = shape.batch * shape.q_heads / (p.nb * p.nh);
+  std::vector<RingBlock> pair(n * n);
+  std::vector<double> kept(n * n, 0.0);
+  for (int64_t b = 0; b < p.nb; ++b)
+    for (int64_t h = 0; h < p.nh; ++h)
+      for (int64_t qt = 0; qt < p.nqt; ++qt)
+        for (int64_t kt = 0; kt < p.nkt; ++kt) {
+          const TileKind kind = bm.tile(b, h, qt, kt);
+          if (kind == TileKind::Empty) continue;
+          const int64_t at = owner[qt / tiles_per_chunk] * n + owner[kt / tiles_per_chunk];
+          (kind == TileKind::Full ? pair[at].full_tiles : pair[at].partial_tiles) += copies;
+          kept[at] += double(copies) * counter.kept(bm, b, h, qt, kt);
+        }
+  const int64_t shard = shape.seq_len / n;
+  const double block_elements = double(shape.batch * shape.q_heads) * double(shard) * shard;
+  for (int64_t at = 0; at < n * n; ++at) {
+    pair[at].kv_rank = at % n;
+    pair[at].density = kept[at] / block_elements;
+  }
+
+  // Step t: rank r holds shard (r - t) mod n. After step t it passes that shard to rank r + 1,
+  // which is worth it only if one of the ranks the shard still visits computes with it.
+  const int64_t shard_bytes = 2 * shape.batch * shape.kv_heads * shard * shape.head_dim *
+                              int64_t(dtype_size(shape.dtype));
+  plan.rank_tiles.assign(n, 0);
+  plan.rank_elements.assign(n, 0.0);
+  for (int64_t t = 0; t < n; ++t) {
+    RingStep step;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t s = (r - t + n) % n;
+      const RingBlock& blk = pair[r * n + s];
+      step.blocks.push_back(blk);
+      (blk.computes() ? plan.computed_blocks : plan.skipped_blocks) += 1;
+      plan.rank_tiles[r] += blk.full_tiles + blk.partial_tiles;
+      plan.rank_elements[r] += kept[r * n + s];
+      if (t + 1 == n) continue;
+      bool needed = false;
+      for (int64_t later = t + 1; later < n && !needed; ++later)
+        needed = pair[((s + later) % n) * n + s].computes();
+      if (needed) {
+        ++step.sends;
+        step.bytes_sent += shard_bytes;
+      } else {
+        ++plan.skipped_sends;
+      }
+    }
+    plan.steps.push_back(std::move(step));
+  }
+  const int64_t total = std::accumulate(plan.rank_tiles.begin(), plan.rank_tiles.end(), int64_t(0));
+  plan.imbalance =
+      total > 0
+          ? double(*std::max_element(plan.rank_tiles.begin(), plan.rank_tiles.end())) * n / total
+          : 1.0;
+  return plan;
+}
+
+std::string to_string(const RingPlan& plan) {
+  const RingShape& s = plan.shape;
+  const int64_t n = s.ranks;
+  std::string out = fmt::format(
+      "ring plan: {} ranks, {} sharding, {} tokens in chunks of {} (tiles of {}), B {}, Hq {}, "
+      "Hkv {}, D {}, {}\n",
+      n, s.sharding == Sharding::Zigzag ? "zigzag" : "contiguous", s.seq_len, plan.chunk_len,
+      plan.tile, s.batch, s.q_heads, s.kv_heads, s.head_dim, dtype_name(s.dtype));
+  out += "step";
+  for (int64_t r = 0; r < n; ++r) out += fmt::format(" | {:>14}", fmt::format("rank {}", r));
+  out += " | K/V sent\n";
+  for (size_t t = 0; t < plan.steps.size(); ++t) {
+    const RingStep& step = plan.steps[t];
+    out += fmt::format("{:>4}", t);
+    for (const RingBlock& b : step.blocks)
+      out += fmt::format(" | {:>14}", b.computes()
+                                         ? fmt::format("kv {}: {:.0f}%", b.kv_rank, b.density * 100)
+                                         : fmt::format("kv {}: -", b.kv_rank));
+    out += t + 1 == plan.steps.size()
+               ? " | -\n"
+               : fmt::format(" | {} x {:.1f} MiB\n", step.sends,
+                             step.sends ? double(step.bytes_sent) / step.sends / (1 << 20) : 0.0);
+  }
+  out += "(kv R: X% = the rank computes against rank R's K/V shard, X% of that block kept by the "
+         "mask; '-' = nothing to compute, skipped)\n";
+  const double total = std::accumulate(plan.rank_elements.begin(), plan.rank_elements.end(), 0.0);
+  for (int64_t r = 0; r < n; ++r)
+    out += fmt::format("rank {}: chunks {}, {} tiles, {:.4g} elements kept ({:.1f}%)\n", r,
+                       fmt::join(plan.chunks[r], ", "), plan.rank_tiles[r],
+                       plan.rank_elements[r],
+                       total > 0 ? 100 * plan.rank_elements[r] / total : 0.0);
+  out += fmt::format(
+      "blocks computed {} of {}, skipped {}; sends skipped {} of {}; imbalance {:.3f} (busiest "
+      "rank / mean: the ring runs at best {:.2f}x one GPU)\n",
+      plan.computed_blocks, n * n, plan.skipped_blocks, plan.skipped_sends, n * (n - 1),
+      plan.imbalance, double(n) / plan.imbalance);
+  return out;
+}
+
+}  // namespace flexc
