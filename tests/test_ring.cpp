@@ -106,6 +106,11 @@ TEST_CASE("plan_ring names a bad field", "[ring]") {
                                     "x 128-token tiles = 1024"));
   CHECK_THROWS_WITH(plan_ring(causal, {.ranks = 2, .seq_len = 512, .q_heads = 6, .kv_heads = 4}),
                     Catch::Contains("q_heads 6 is not a multiple of kv_heads 4"));
+  CHECK_THROWS_WITH(plan_ring(causal, {.ranks = 2, .seq_len = 1 << 30, .batch = int64_t(1) << 40,
+                                       .q_heads = 1 << 20}),
+                    Catch::Contains("too large to count"));
+  CHECK_THROWS_WITH(plan_ring(causal, {.ranks = int64_t(1) << 40, .seq_len = 1024}),
+                    Catch::Contains("must be a multiple of"));
   RingPlanOptions typo;
   typo.params["windw"] = 3;
   CHECK_THROWS_WITH(

@@ -27,13 +27,22 @@ void check_shape(const RingShape& s, int64_t tile) {
   if (s.q_heads % s.kv_heads != 0)
     throw Error(fmt::format("{}: q_heads {} is not a multiple of kv_heads {}", kWhat, s.q_heads,
                             s.kv_heads));
-  const int64_t chunks = s.ranks * (s.sharding == Sharding::Zigzag ? 2 : 1);
-  if (s.seq_len % (chunks * tile) != 0)
+  // Counts are int64: the tiles of all batches and heads, and a shard's bytes, must fit.
+  const double tiles_per_side = double(s.seq_len) / double(tile);
+  if (double(s.batch) * double(s.q_heads) * tiles_per_side * tiles_per_side > 0x1p62 ||
+      4.0 * double(s.batch) * double(s.kv_heads) * double(s.seq_len) * double(s.head_dim) > 0x1p62)
+    throw Error(fmt::format("{}: B {} x {} heads over {} tokens is too large to count (tiles or "
+                            "K/V bytes past 2^62)",
+                            kWhat, s.batch, s.q_heads, s.seq_len));
+  const int64_t per_rank = s.sharding == Sharding::Zigzag ? 2 : 1;
+  int64_t chunks = 0, unit = 0;
+  if (__builtin_mul_overflow(s.ranks, per_rank, &chunks) ||
+      __builtin_mul_overflow(chunks, tile, &unit) || s.seq_len % unit != 0)
     throw Error(fmt::format(
         "{}: seq_len {} must be a multiple of {} chunks ({} ranks, {}) x {}-token tiles = {}; pad "
         "the sequence",
-        kWhat, s.seq_len, chunks, s.ranks,
-        s.sharding == Sharding::Zigzag ? "zigzag" : "contiguous", tile, chunks * tile));
+        kWhat, s.seq_len, double(s.ranks) * per_rank, s.ranks,
+        per_rank == 2 ? "zigzag" : "contiguous", tile, double(s.ranks) * per_rank * tile));
 }
 
 }  // namespace
