@@ -50,17 +50,20 @@ using KTile = SmemTile<kBlockN, kD>;
 using VTile = SmemTile<kBlockN, kDv>;
 using OTile = SmemTile<kBlockM, kDv>;  // the epilogue's staging, over Q
 // score_mod's relative terms, tabulated per kv tile by the CTA: two tables, since the next
-// tile's is written while the last one's may still be read.
+// tile's is written while the last one's may still be read. Only for score_mods without column or
+// tile loads, which score_mod_cols would read too and this kernel does not load ahead: those run
+// score_mod per score.
 using RelTable = flexc_attn::RelTable<kBlockM, kBlockN>;
+using Scores = flexc_attn::ScoreTile<kMT, kNT>;
+constexpr bool kRelTables = RelTable::kTerms > 0 && Scores::kScoreCols + Scores::kScoreTiles == 0;
 // Shared memory: Q (or O, the larger), then kStages x (K, V), then the relative-term tables
 // (src/attention.cpp adds their bytes by dsl::LaunchFacts). The host computes the same size.
 constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
-constexpr int kRelBytes = 2 * RelTable::kWords * 4;
+constexpr int kRelBytes = kRelTables ? 2 * RelTable::kWords * 4 : 0;
 constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kRelBytes;
 
 using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
-using Scores = flexc_attn::ScoreTile<kMT, kNT>;
 
 }  // namespace flexc_fwd
 
@@ -128,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   // visible; every thread read table it % 2 before the barrier of tile it + 1.
   typename Scores::Columns cols;
   auto fill_rel_table = [&](int it) {
-    if constexpr (RelTable::kTerms > 0) {
+    if constexpr (kRelTables) {
       unsigned* table =
           reinterpret_cast<unsigned*>(smem + kQBytes + kStages * kStageBytes) +
           (it & 1) * RelTable::kWords;
@@ -165,8 +168,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
       });
     }
 
-    if constexpr (RelTable::kTerms > 0) {  // score_mod_cols: the column loads with the terms
-      Scores::load_columns(cols, p, args, b, h, row0, sched.start(cur));
+    if constexpr (kRelTables) {
       Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur), &cols);
     } else {
       Scores::apply_mods(s, p, args, b, h, row0, sched.start(cur), sched.is_partial(cur));
