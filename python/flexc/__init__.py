@@ -26,6 +26,9 @@ from ._flexc import (  # noqa: F401  (the public names)
     LinearVariant,
     ParamSpec,
     Precision,
+    RingBlock,
+    RingPlan,
+    RingStep,
     TileKind,
     Variant,
     _dlpack_view,
@@ -40,6 +43,7 @@ from ._flexc import (  # noqa: F401  (the public names)
     linear_attention,
     linear_attention_backward,
     linear_attention_step,
+    plan_ring,
 )
 
 
@@ -86,8 +90,9 @@ def reference_attention(variant, q, k, v, captures=None, params=None, scale=None
 
 __all__ = [
     "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "LinearVariant",
-    "ParamSpec", "Precision", "TileKind", "Variant", "attention", "attention_backward", "compile",
-    "compose", "create_block_mask", "decode", "kernel_templates", "linear_attention",
-    "linear_attention_backward", "linear_attention_step", "reference_attention",
+    "ParamSpec", "Precision", "RingBlock", "RingPlan", "RingStep", "TileKind", "Variant",
+    "attention", "attention_backward", "compile", "compose", "create_block_mask", "decode",
+    "kernel_templates", "linear_attention", "linear_attention_backward", "linear_attention_step",
+    "plan_ring", "reference_attention",
 ]
 # flexc.torch (FlexAttention's API on torch tensors) is imported on its own: `import flexc.torch`.

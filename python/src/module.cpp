@@ -20,6 +20,7 @@
 #include "flexc/jit.h"
 #include "flexc/linear.h"
 #include "flexc/reference.h"
+#include "flexc/ring.h"
 #include "flexc/tensor.h"
 #include "flexc/variant.h"
 
@@ -107,6 +108,21 @@ std::string declared_dtype(const Variant& v, const std::string& capture) {
   for (const CaptureSpec& c : v.captures())
     if (c.name == capture) return c.dtype;
   return {};
+}
+
+// Host captures (numpy arrays in their declared dtype) for a mask's builders; `infos` keeps the
+// buffers they view requested.
+std::map<std::string, CaptureData, std::less<>> mask_captures(
+    const Variant& v, const std::map<std::string, py::buffer>& captures,
+    std::vector<py::buffer_info>& infos) {
+  std::map<std::string, CaptureData, std::less<>> out;
+  infos.reserve(captures.size());
+  for (const auto& [name, a] : captures) {
+    infos.push_back(a.request());
+    const TensorView t = host_view(infos.back(), dtype_of(infos.back(), declared_dtype(v, name)));
+    out[name] = CaptureData{t.data, nullptr, t.shape, t.strides};
+  }
+  return out;
 }
 
 template <class T>
@@ -300,12 +316,7 @@ PYBIND11_MODULE(_flexc, m) {
         else throw Error("create_block_mask: device must be 'cpu', 'gpu' or 'auto'; got '" + device + "'");
         for (const auto& [name, value] : params) o.params[name] = value;
         std::vector<py::buffer_info> infos;
-        infos.reserve(captures.size());
-        for (const auto& [name, a] : captures) {
-          infos.push_back(a.request());
-          const TensorView t = host_view(infos.back(), dtype_of(infos.back(), declared_dtype(v, name)));
-          o.captures[name] = CaptureData{t.data, nullptr, t.shape, t.strides};
-        }
+        o.captures = mask_captures(v, captures, infos);
         // Device copies (DLPack) of host captures, for a GPU build's element evaluation.
         const Stream st(stream);
         Borrowed b;
@@ -336,6 +347,57 @@ PYBIND11_MODULE(_flexc, m) {
       "element on the CPU (device='cpu') or the GPU ('gpu', enqueued on `stream`). Captures: "
       "numpy arrays in their declared dtype (bf16 as uint16 bits); device_captures: the same "
       "tensors on the GPU (DLPack), read by a GPU build.");
+
+  py::class_<RingBlock>(m, "RingBlock")
+      .def_readonly("kv_rank", &RingBlock::kv_rank)
+      .def_readonly("full_tiles", &RingBlock::full_tiles)
+      .def_readonly("partial_tiles", &RingBlock::partial_tiles)
+      .def_readonly("density", &RingBlock::density)
+      .def_property_readonly("computes", &RingBlock::computes);
+  py::class_<RingStep>(m, "RingStep")
+      .def_readonly("blocks", &RingStep::blocks)
+      .def_readonly("sends", &RingStep::sends)
+      .def_readonly("bytes_sent", &RingStep::bytes_sent);
+  py::class_<RingPlan>(m, "RingPlan")
+      .def_readonly("chunk_len", &RingPlan::chunk_len)
+      .def_readonly("chunks", &RingPlan::chunks)
+      .def_readonly("steps", &RingPlan::steps)
+      .def_readonly("computed_blocks", &RingPlan::computed_blocks)
+      .def_readonly("skipped_blocks", &RingPlan::skipped_blocks)
+      .def_readonly("skipped_sends", &RingPlan::skipped_sends)
+      .def_readonly("rank_tiles", &RingPlan::rank_tiles)
+      .def_readonly("rank_elements", &RingPlan::rank_elements)
+      .def_readonly("imbalance", &RingPlan::imbalance)
+      .def("__str__", [](const RingPlan& p) { return to_string(p); });
+  m.def(
+      "plan_ring",
+      [](const Variant& v, int64_t ranks, int64_t seq_len, const std::string& sharding,
+         int64_t batch, int64_t q_heads, std::optional<int64_t> kv_heads, int64_t head_dim,
+         const std::string& dtype, int64_t tile, const std::map<std::string, double>& params,
+         const std::map<std::string, py::buffer>& captures) {
+        RingShape s;
+        s.ranks = ranks, s.seq_len = seq_len, s.batch = batch, s.q_heads = q_heads;
+        s.kv_heads = kv_heads.value_or(q_heads), s.head_dim = head_dim;
+        s.dtype = parse_dtype(dtype);
+        if (sharding == "zigzag") s.sharding = Sharding::Zigzag;
+        else if (sharding == "contiguous") s.sharding = Sharding::Contiguous;
+        else throw Error("plan_ring: sharding must be 'zigzag' or 'contiguous'; got '" + sharding + "'");
+        RingPlanOptions o;
+        o.tile = tile;
+        for (const auto& [name, value] : params) o.params[name] = value;
+        std::vector<py::buffer_info> infos;
+        o.captures = mask_captures(v, captures, infos);
+        py::gil_scoped_release release;
+        return plan_ring(v, s, o);
+      },
+      py::arg("variant"), py::arg("ranks"), py::arg("seq_len"), py::arg("sharding") = "zigzag",
+      py::arg("batch") = 1, py::arg("q_heads") = 1, py::arg("kv_heads") = py::none(),
+      py::arg("head_dim") = 128, py::arg("dtype") = "bf16", py::arg("tile") = 128,
+      py::arg("params") = std::map<std::string, double>{},
+      py::arg("captures") = std::map<std::string, py::buffer>{},
+      "Ring attention's schedule for the variant over `ranks` GPUs (docs/ring.md): per step the "
+      "K/V shard each rank holds and its block's tiles, the sends still needed, the balance. "
+      "str() prints it as `flexc ring-plan` does.");
 
   m.def(
       "_reference_attention",

@@ -88,6 +88,29 @@ def test_block_mask_with_captures_and_params():
         flexc.create_block_mask(window, 1, 1, 64, 64, params={"window": 1.5})
 
 
+def test_ring_plan():
+    causal = flexc.Variant.from_catalogue("causal")
+    zigzag = flexc.plan_ring(causal, ranks=4, seq_len=1024)
+    assert zigzag.chunks[0] == [0, 7] and zigzag.rank_tiles == [9, 9, 9, 9]
+    assert zigzag.imbalance == 1.0 and zigzag.computed_blocks == 16
+    contiguous = flexc.plan_ring(causal, ranks=4, seq_len=1024, sharding="contiguous",
+                                 q_heads=8, kv_heads=2, head_dim=64)
+    assert contiguous.skipped_blocks == 6 and contiguous.skipped_sends == 6
+    step1 = contiguous.steps[1]
+    assert [b.kv_rank for b in step1.blocks] == [3, 0, 1, 2]
+    assert [b.computes for b in step1.blocks] == [False, True, True, True]
+    assert step1.bytes_sent == step1.sends * 2 * 2 * 256 * 64 * 2
+    assert "blocks computed 10 of 16" in str(contiguous)
+    doc = flexc.Variant.from_catalogue("document")
+    ids = np.repeat(np.arange(2, dtype=np.int32), 512)
+    assert flexc.plan_ring(doc, 2, 1024, sharding="contiguous",
+                           captures={"doc": ids}).skipped_blocks == 2
+    with pytest.raises(flexc.Error, match="seq_len 1000 must be a multiple"):
+        flexc.plan_ring(causal, 4, 1000)
+    with pytest.raises(flexc.Error, match="sharding"):
+        flexc.plan_ring(causal, 4, 1024, sharding="diagonal")
+
+
 def test_compile_ahead_of_time_without_a_gpu():
     alibi = flexc.Variant.from_catalogue("alibi")
     fwd = flexc.compile(alibi, "attention_fwd", arch="sm_90", head_dim=64)
