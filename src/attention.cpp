@@ -68,23 +68,32 @@ bool fwd_sm90_supports(int head_dim) {
   return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
 }
 
-TileConfig fwd_config_sm90(int head_dim, int v_head_dim) {
-  // A producer warpgroup and two consumer warpgroups of 64 query rows, 128-wide kv tiles (the
-  // default BlockMask tile), K and V in two stages each; then 9 mbarriers, and 1024 bytes to
-  // align the tiles for wgmma's swizzle (docs/perf.md). Above D 128, 64-wide kv tiles: a
-  // consumer's O takes 96 or 128 of its 240 registers, and Q with two stages of K and V must fit
-  // 227 KiB. D 96 is stored as two whole 64-column panels (TMA fills the last 32 with zeros).
-  // Head dims: q's and k's `head_dim`, v's and the output's `v_head_dim`.
+TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
+  // A producer warpgroup and two consumer warpgroups of 64 query rows (three at D 64, whose
+  // products are half as long: FlashAttention-3's 192-row tiles, when the variant's hooks fit
+  // their 160 registers), 128-wide kv tiles (the default BlockMask tile), K and V in two stages
+  // each; then 9 mbarriers, the 8-word schedule ring, and 1024 bytes to align the tiles for
+  // wgmma's swizzle (docs/perf.md). A 192-row tile spans two BlockMask rows of 128, whose
+  // tiles its producer merges (BlockMask q tiles: multiples of 128). Above D 128, 64-wide kv
+  // tiles: a consumer's O takes 96 or 128 of its 240 registers, and Q with two stages of K and
+  // V must fit 227 KiB. D 96 is stored as two whole 64-column panels (TMA fills the last 32
+  // with zeros). Head dims: q's and k's `head_dim`, v's and the output's `v_head_dim`.
   for (int d : {head_dim, v_head_dim})
     if (!fwd_sm90_supports(d))
       throw Error(fmt::format("the Hopper kernel has no head dim {} (64, 96, 128, 192 or 256)", d));
+  const bool three = head_dim == 64 && v_head_dim == 64;
+  if (block_m == 0) block_m = three ? 192 : 128;
+  if (block_m != 128 && !(block_m == 192 && three))
+    throw Error(fmt::format("the Hopper kernel has no {}-row q tiles for head dims {} / {}",
+                            block_m, head_dim, v_head_dim));
   // Threads: a producer warpgroup and one consumer warpgroup per 64 rows (the kernel asserts it).
-  TileConfig c{128, 128, 128 * (1 + 128 / 64), 2, 0};
+  TileConfig c{block_m, 128, 128 * (1 + block_m / 64), 2, 0};
+  c.mask_rows = 128;
   const auto panels = [](int d) { return size_t(d + 63) / 64 * 64; };  // whole swizzle panels
   const auto smem = [&](int block_n) {
     return size_t(2) * (std::max(panels(head_dim), panels(v_head_dim)) * c.block_m +
                         size_t(c.stages) * block_n * (panels(head_dim) + panels(v_head_dim))) +
-           8 * (1 + 4 * c.stages) + 1024;
+           8 * (1 + 4 * c.stages) + 4 * 8 + 1024;
   };
   // 128-wide kv tiles where O leaves the registers for them (Dv <= 128) and K and V fit twice
   // (MLA's D 192 / Dv 128 does: 209 KiB); 64 otherwise.
@@ -93,8 +102,8 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim) {
   return c;
 }
 
-size_t fwd_rel_bytes(int rel_terms, bool hopper) {
-  return size_t(hopper ? 2 : 1) * 2 * 256 * 4 * rel_terms;
+size_t fwd_rel_bytes(int rel_terms, const TileConfig& c, bool hopper) {
+  return size_t(hopper ? c.threads / 128 - 1 : 1) * 2 * 256 * 4 * rel_terms;
 }
 
 // The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
@@ -147,9 +156,10 @@ std::string hopper_misfit(std::string_view kernel, const std::function<TileConfi
   } catch (const Error& e) {  // no configuration for this head dim: the message says which
     return e.what();
   }
-  if (bm && !tiles_fit(*bm, c.block_m, c.block_n))
+  const int rows = c.mask_rows > 0 ? c.mask_rows : c.block_m;
+  if (bm && !tiles_fit(*bm, rows, c.block_n))
     return fmt::format("block_mask tiles {} x {} must be multiples of the {}'s {} x {}",
-                       bm->q_tile(), bm->kv_tile(), kernel, c.block_m, c.block_n);
+                       bm->q_tile(), bm->kv_tile(), kernel, rows, c.block_n);
   for (auto [name, t] : tensors)
     if (!tma_fits(*t))
       return fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
@@ -191,7 +201,7 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
 }
 
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
-  const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg));
+  const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m);
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
   return {"attention_fwd_sm90.cuh",
@@ -268,6 +278,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       {{"q", &q}, {"k", &k}, {"v", &v}});
   // Its grid is (heads, q tiles) for a head-shared [Q_LEN, KV_LEN] capture (dsl::LaunchFacts),
   // and a grid's y is at most 65535: checked only when the q tiles exceed that.
+  // (Tiles of 128 rows, the smallest it may run.)
   if (hopper_misfit.empty() && (q_len + 127) / 128 > 65535 &&
       dsl::launch_facts(detail::emit_input(detail::impl_of(variant))).score_tiles_share_heads)
     hopper_misfit = fmt::format(
@@ -314,14 +325,21 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // The Hopper kernel where it runs and has the head dim (and the BlockMask's tiles split into
   // its 128 x 128 ones, which the default tiles do); the portable one elsewhere.
   const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
-  const detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D), int(Dv)) : portable;
+  detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D), int(Dv)) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
 
-  const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
-  const jit::Kernel& kernel = jit::get_kernel(
+  jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
+  const jit::Kernel* kernel = &jit::get_kernel(
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
+  // D 64's 192-row tiles leave each consumer 160 registers; hooks that need more (column or
+  // tile loads held across the wait, say) would spill in the loop: those take 128-row tiles.
+  if (hopper && cfg.block_m > 128 && kernel->local_bytes() > 0) {
+    kc.block_m = 128;
+    cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
+    kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
+  }
   FlexcAttentionParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;
   p.lse = opts.lse ? static_cast<float*>(opts.lse->data) : nullptr;
@@ -346,10 +364,10 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     for (FlexcTensorMap& m : maps) argv.push_back(&m);
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
-  const bool heads_first = hopper && kernel.facts().score_tiles_share_heads;
+  const bool heads_first = hopper && kernel->facts().score_tiles_share_heads;
   const size_t smem =
-      cfg.smem_bytes + detail::fwd_rel_bytes(kernel.facts().score_rel_terms, hopper);
-  kernel.launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
+      cfg.smem_bytes + detail::fwd_rel_bytes(kernel->facts().score_rel_terms, cfg, hopper);
+  kernel->launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
                 unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
 }
 

@@ -22,18 +22,22 @@ namespace flexc::detail {
 struct TileConfig {
   int block_m = 0, block_n = 0, threads = 0, stages = 0;
   size_t smem_bytes = 0;  // dynamic shared memory per CTA
+  // A BlockMask's q tiles must be multiples of this; 0: block_m (a CTA walks one BlockMask row).
+  // 128 for the Hopper forward kernel: its 192-row tiles span at most two BlockMask rows.
+  int mask_rows = 0;
 };
 
 // The portable kernel's configuration for q / k head dim `head_dim` and v / output head dim
 // `v_head_dim`. Throws flexc::Error for a head dim it does not support.
 TileConfig fwd_config(int head_dim, int v_head_dim);
-// The Hopper kernel's; throws flexc::Error for a head dim it does not support.
-TileConfig fwd_config_sm90(int head_dim, int v_head_dim);
-// What a forward kernel adds to its shared memory for `rel_terms` relative terms of score_mod
-// (dsl::LaunchFacts): two 256-word tables per term, for each of the Hopper kernel's two consumers
-// or for the portable kernel's CTA. At most 8 KiB, which every configuration above leaves room
-// for.
-size_t fwd_rel_bytes(int rel_terms, bool hopper);
+// The Hopper kernel's, with q tiles of `block_m` rows (0: the head dims' default, 192 at D 64
+// and 128 otherwise; 128 always fits). Throws flexc::Error for a head dim it does not support.
+TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m = 0);
+// What a forward kernel of configuration `c` adds to its shared memory for `rel_terms` relative
+// terms of score_mod (dsl::LaunchFacts): two 256-word tables per term, for each of the Hopper
+// kernel's consumers or for the portable kernel's CTA. At most 12 KiB, which every
+// configuration above leaves room for.
+size_t fwd_rel_bytes(int rel_terms, const TileConfig& c, bool hopper);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 

@@ -119,6 +119,80 @@ struct ColumnSteps {
   }
 };
 
+// Whether mask_mod must run on a tile, per q-row group: the kinds a KvUnion reports.
+enum TileKind : unsigned { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+
+// The kv tiles of a CTA whose q rows span one or two BlockMask rows (the Hopper forward kernel's
+// 192-row tiles over 128-row BlockMask tiles), in ascending kv order: the union of the rows'
+// tiles, each with its kind in each row (a tile of one row only is empty in the other). Kernel
+// tiles of a BlockMask tile that start past kv_len are skipped. One thread walks it (a producer
+// with few registers: the lists' pointers are read from the kernel parameter `bm` on each step).
+template <int BLOCK_N>
+struct KvUnion {
+  // One BlockMask row: its partial and full lists (each ascending, no tile in both), merged.
+  // Without a BlockMask, row 0's "full list" is every kernel tile.
+  struct Row {
+    long long off = 0;  // of the row in the lists
+    int at_partial = 0, num_partial = 0, at_full = 0, num_full = 0;
+  };
+  static constexpr int kNone = 0x7fffffff;
+  static constexpr unsigned kDenseKind = FlexcVariant::kMaskAlwaysTrue ? kTileFull : kTilePartial;
+  Row row[2];
+  int per_block = 1, tile = 0, sub = 1;  // the BlockMask tile being split, the next kernel tile
+  bool dense;
+
+  // For the BlockMask rows holding q rows `q_a` and `q_b` (the same row: one row).
+  __device__ KvUnion(const FlexcBlockMask& bm, int b, int h, int q_a, int q_b, int kv_len) {
+    dense = bm.kv_num == nullptr;
+    if (dense) {
+      row[0].num_full = (kv_len + BLOCK_N - 1) / BLOCK_N;
+      return;
+    }
+    const int group = (bm.nb == 1 ? 0 : b) * bm.nh + (bm.nh == 1 ? 0 : h);
+    per_block = sub = bm.kv_tile / BLOCK_N;
+    const int rows[2] = {q_a / bm.q_tile, q_b / bm.q_tile};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (r == 1 && rows[1] == rows[0]) continue;
+      const int at = group * bm.num_q_tiles + rows[r];
+      row[r].off = static_cast<long long>(at) * bm.num_kv_tiles;
+      row[r].num_partial = bm.kv_num[at];
+      row[r].num_full = bm.full_kv_num[at];
+    }
+  }
+  __device__ __forceinline__ int partial_at(const FlexcBlockMask& bm, const Row& r) const {
+    return r.at_partial < r.num_partial ? bm.kv_idx[r.off + r.at_partial] : kNone;
+  }
+  __device__ __forceinline__ int full_at(const FlexcBlockMask& bm, const Row& r) const {
+    if (r.at_full >= r.num_full) return kNone;
+    return dense ? r.at_full : bm.full_kv_idx[r.off + r.at_full];
+  }
+  // Takes `t` if it is the row's next tile; its kind there (full where mask_mod is always true:
+  // nothing to evaluate).
+  __device__ __forceinline__ unsigned take(const FlexcBlockMask& bm, Row& r, int t) const {
+    if (partial_at(bm, r) == t)
+      return ++r.at_partial, FlexcVariant::kMaskAlwaysTrue ? kTileFull : kTilePartial;
+    if (full_at(bm, r) == t) return ++r.at_full, dense ? kDenseKind : kTileFull;
+    return kTileEmpty;
+  }
+  // The next kernel tile's first kv index, with its kind in row 0 in bits 0-1 of `kinds` and in
+  // row 1 in bits 2-3 (row 1's are meaningless with one row); -1 when done.
+  __device__ __forceinline__ int next(const FlexcBlockMask& bm, int kv_len, unsigned& kinds) {
+    for (;;) {
+      if (sub < per_block) {
+        const int kv0 = (tile * per_block + sub++) * BLOCK_N;
+        if (kv0 < kv_len) return kv0;
+        sub = per_block;  // the rest of this BlockMask tile lies past kv_len too
+      }
+      tile = min(min(partial_at(bm, row[0]), full_at(bm, row[0])),
+                 min(partial_at(bm, row[1]), full_at(bm, row[1])));
+      if (tile == kNone) return -1;
+      kinds = take(bm, row[0], tile) | take(bm, row[1], tile) << 2;
+      sub = 0;
+    }
+  }
+};
+
 // Row `h` of batch `b` of a [B, H, S, D] tensor with strides `stride` (elements).
 template <class T>
 __device__ __forceinline__ const T* at(const void* base, const long long (&stride)[3], int b,

@@ -557,6 +557,13 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
   CHECK_THROWS_WITH(detail::fwd_config(64, 80), Contains("head dim 80 is not supported"));
   CHECK_THROWS_WITH(detail::fwd_config_sm90(192, 32),
                     Contains("the Hopper kernel has no head dim 32"));
+  // D 64: three consumers of 64 rows (192-row tiles), or two where the hooks need the registers.
+  CHECK(detail::fwd_config_sm90(64, 64).block_m == 192);
+  CHECK(detail::fwd_config_sm90(64, 64).threads == 512);
+  CHECK(detail::fwd_config_sm90(64, 64, 128).threads == 384);
+  CHECK(detail::fwd_config_sm90(64, 128).block_m == 128);
+  CHECK_THROWS_WITH(detail::fwd_config_sm90(128, 128, 192),
+                    Contains("no 192-row q tiles for head dims 128 / 128"));
   // Different q / k and v head dims: tiles for the wider, shared memory for both.
   // 128-wide kv tiles while O (Dv) leaves the registers and K / V fit twice (MLA's 192 / 128).
   for (auto [d, dv, block_n] : {std::tuple{192, 128, 128}, {128, 192, 64}, {64, 256, 64},
@@ -582,6 +589,7 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
     specs.push_back(jit::attention_fwd_spec({"sm_80", dtype, 192, 128}));
     specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 192, 128}));
     specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 64, 256}));
+    specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 64, 64, 128}));
   }
   const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
   for (size_t i = 0; i < out.size(); ++i) {
@@ -611,14 +619,31 @@ std::string ptxas_log(const Variant& v, const jit::KernelSpec& spec) {
       .log;
 }
 
-// The spill stores ptxas reports for entry `entry` in such a log.
-int spill_bytes(const std::string& log, const std::string& entry) {
+// A statistic ptxas reports for entry `entry` in such a log: the number before `what`.
+int ptxas_stat(const std::string& log, const std::string& entry, const std::string& what) {
   const size_t fn = log.find("Compiling entry function '" + entry + "'");
   REQUIRE(fn != std::string::npos);
-  const size_t at = log.find(" bytes spill stores", fn);
+  const size_t at = log.find(what, fn);
   REQUIRE(at != std::string::npos);  // the statistics are there to read
   const size_t start = log.find_last_not_of("0123456789", at - 1) + 1;
   return std::stoi(log.substr(start, at - start));
+}
+int spill_bytes(const std::string& log, const std::string& entry) {
+  return ptxas_stat(log, entry, " bytes spill stores");
+}
+// The Hopper forward kernel's log as flexc::attention would launch it: at D 64, the 192-row
+// tiles unless they need local memory (their consumers' 160 registers do not hold the hooks'
+// working set), then the 128-row ones. `tall`: whether the 192-row one was taken.
+std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr) {
+  jit::KernelConfig kc{"sm_90", "bf16", d, dv};
+  std::string log = ptxas_log(v, jit::attention_fwd_sm90_spec(kc));
+  const bool fits = ptxas_stat(log, "flexc_attention_fwd_sm90", " bytes stack frame") == 0;
+  if (tall) *tall = d == 64 && dv == 64 && fits;
+  if (d == 64 && dv == 64 && !fits) {
+    kc.block_m = 128;
+    log = ptxas_log(v, jit::attention_fwd_sm90_spec(kc));
+  }
+  return log;
 }
 
 }  // namespace
@@ -627,17 +652,25 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
           "[attention][catalogue]") {
   // ptxas serializes wgmma (warnings C7513 / C7514) when registers a running wgmma uses are
   // touched; the kernel then still works but loses its overlap. Checked here, without a GPU.
+  // At D 64 the 192-row tiles (three consumers of 160 registers) serve the plain variants.
+  int tall_ones = 0;
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
     for (int d : {64, 128}) {
-      const std::string log = ptxas_log(v, jit::attention_fwd_sm90_spec({"sm_90", "bf16", d}));
+      bool tall = false;
+      const std::string log = hopper_fwd_log(v, d, d, &tall);
       INFO(name << " D " << d << "\n" << log);
       CHECK(log.find("C751") == std::string::npos);
-      // Consumers have 240 registers: the document masks' per-column loads spill one (4 bytes);
-      // more than a few bytes would mean a loop's working set no longer fits.
+      // Consumers of 128-row tiles have 240 registers: the document masks' per-column loads spill
+      // one (4 bytes); more than a few bytes would mean a loop's working set no longer fits.
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
+      if (tall) ++tall_ones;
+      if (d == 64 && (name == "noop" || name == "causal" || name == "alibi" ||
+                      name == "sliding_window" || name == "t5_bias"))
+        CHECK(tall);
     }
   }
+  CHECK(tall_ones >= 8);
   // A [Q_LEN, KV_LEN] bias: the tile loads' 32 words stay in registers across the wait. Beside a
   // per-key load, with the q tile and head held in registers too, D 128 spills 28 bytes (7
   // registers; measured: bias_2d alone 8-14% faster for holding them, docs/perf.md).
@@ -649,7 +682,7 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       "score + bias[q_idx, kv_idx] + kvb[h, kv_idx]", "q_idx >= kv_idx", tile_caps, {}, "tc");
   for (int d : {64, 128, 256})
     for (const Variant* v : {&tiles, &tiles_cols}) {
-      const std::string log = ptxas_log(*v, jit::attention_fwd_sm90_spec({"sm_90", "bf16", d}));
+      const std::string log = hopper_fwd_log(*v, d, d);
       INFO(v->name() << " D " << d << "\n" << log);
       CHECK(log.find("C751") == std::string::npos);
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= (v == &tiles ? 8 : 32));
@@ -727,6 +760,10 @@ struct GpuCase {
   bool two_streams = false;
   int64_t Dv = 0;  // v's and the output's head dim; 0: D
   int64_t q_offset = 0;  // chunked prefill: the position of query 0
+  // This BlockMask instead of one built from the variant, and the variant whose mask the
+  // reference applies (one that says what the BlockMask's tiles say).
+  const BlockMask* given_mask = nullptr;
+  const Variant* reference = nullptr;
 
   int64_t dv() const { return Dv ? Dv : D; }
   std::string describe() const {
@@ -806,7 +843,9 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
     opts.stream = run_stream->get();
   }
   std::optional<BlockMask> bm;
-  if (c.block_mask && !v.mask_always_true()) {
+  if (c.given_mask) {
+    opts.block_mask = c.given_mask;
+  } else if (c.block_mask && !v.mask_always_true()) {
     bm = create_block_mask(v, c.B, c.Hq, c.Lq, c.Lkv, bmo,
                            build_stream ? build_stream->get() : nullptr);
     opts.block_mask = &*bm;
@@ -822,7 +861,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
     std::uniform_int_distribution<int64_t> pick(0, rows - 1);
     for (int64_t i = 0; i < max_rows; ++i) ref.rows.push_back(pick(rng()));
   }
-  const ReferenceResult r = reference_attention(v, ref);
+  const ReferenceResult r = reference_attention(c.reference ? *c.reference : v, ref);
   std::vector<float> got, got_lse;
   for (int64_t row : r.rows) {
     const int64_t b = row / (c.Hq * c.Lq), h = row / c.Lq % c.Hq, s = row % c.Lq;
@@ -1078,6 +1117,51 @@ TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
         check_at_offsets(*v, {i % 2 ? DType::BF16 : DType::F16, 2, 4, i % 3 ? 2 : 4, 333, 517, d,
                               false, 0, true, {}, kernel});
       }
+}
+
+TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // At D 64 the Hopper kernel's q tiles hold 192 rows, its consumers' 64-row slices lying in two
+  // BlockMask rows of 128: its producer merges both rows' tiles, and a tile of one row only is
+  // empty for the other's consumers. Masks whose tiles differ from row to row (full and empty
+  // tiles only; partial ones), odd lengths (consumers past Q_LEN), GQA; and a user's BlockMask
+  // that leaves out tiles mask_mod keeps: those count as masked, as FlexAttention has it.
+  const Variant stripes = Variant::from_strings(
+      "score", "(q_idx // 128 + kv_idx // 128) % 3 != 1", {}, {}, "tile_stripes");
+  const Variant halves = Variant::from_strings(
+      "score + 0.25 * float(kv_idx % 5)", "(q_idx // 64 + kv_idx // 64) % 3 != 1", {}, {},
+      "half_tile_stripes");
+  const Variant causal = Variant::from_catalogue("causal");
+  int i = 0;
+  for (const Variant* v : {&stripes, &halves, &causal})
+    for (auto [lq, lkv] : {std::pair<int64_t, int64_t>{1000, 900}, {193, 700}, {448, 448}})
+      for (FwdKernel kernel : kernels_for(64)) {
+        GpuCase c{++i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, lq, lkv, 64,
+                  false, 0, true, {}, kernel};
+        INFO(v->name() << ": " << c.describe());
+        const Accuracy a = run_case(*v, c);
+        INFO(a.summary());
+        CHECK(a.pass);
+      }
+  // noop with a user's lists (full tiles only) of stripes' tiles: the reference is stripes.
+  const int64_t lq = 1000, lkv = 900, nq = (lq + 127) / 128, nk = (lkv + 127) / 128;
+  std::vector<int32_t> num(nq, 0), idx(nq * nk, 0);
+  for (int64_t qt = 0; qt < nq; ++qt)
+    for (int64_t kt = 0; kt < nk; ++kt)
+      if ((qt + kt) % 3 != 1) idx[qt * nk + num[qt]++] = int32_t(kt);
+  const BlockMask user =
+      BlockMask::from_kv_blocks(1, 1, lq, lkv, 128, 128, std::vector<int32_t>(nq, 0),
+                                std::vector<int32_t>(nq * nk, 0), num, idx);
+  const Variant noop = Variant::from_catalogue("noop");
+  for (FwdKernel kernel : kernels_for(64)) {
+    GpuCase c{DType::BF16, 2, 4, 2, lq, lkv, 64, false, 0, true, {}, kernel};
+    c.given_mask = &user;
+    c.reference = &stripes;
+    INFO("noop with stripes' lists: " << c.describe());
+    const Accuracy a = run_case(noop, c);
+    INFO(a.summary());
+    CHECK(a.pass);
+  }
 }
 
 TEST_CASE("v's head dim apart from q's and k's (MLA's 192 / 128) matches the reference", "[gpu]") {

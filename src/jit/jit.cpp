@@ -329,6 +329,17 @@ std::vector<Compiled> compile_all(const Variant& v, std::span<const KernelSpec> 
   return out;
 }
 
+int Kernel::local_bytes() const {
+  int n = local_bytes_.load(std::memory_order_relaxed);
+  if (n < 0) {
+    check(driver("asking a flexc kernel").cuFuncGetAttribute(&n, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                                              fn_),
+          fmt::format("asking the {} for its local memory", what_));
+    local_bytes_.store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 void Kernel::launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block,
                     size_t smem_bytes, CUstream_st* stream, void** args, bool early) const {
   const DriverApi& d = driver("launching a flexc kernel");  // loaded: this kernel exists

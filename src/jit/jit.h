@@ -77,12 +77,15 @@ class Kernel {
   const std::string& what() const { return what_; }
   // What the launch must agree on with the kernel's generated header.
   const dsl::LaunchFacts& facts() const { return facts_; }
+  // Local memory per thread (ptxas's stack frame: spilled registers, mostly), in bytes.
+  int local_bytes() const;
 
  private:
   CUfunc_st* fn_;
   std::string what_;
   dsl::LaunchFacts facts_;
   mutable std::atomic<size_t> smem_limit_{48 * 1024};
+  mutable std::atomic<int> local_bytes_{-1};  // -1: not asked yet
   mutable std::mutex smem_mu_;
 };
 

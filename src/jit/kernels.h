@@ -17,6 +17,7 @@ struct KernelConfig {
   std::string dtype = "bf16";  // "bf16" or "fp16": the attention kernels' input type
   int head_dim = 128;
   int v_head_dim = 0;  // v's and the output's (the forward kernels); 0: head_dim
+  int block_m = 0;     // the Hopper forward kernel's q tile rows; 0: the head dims' default
 };
 
 struct KnownKernel {
