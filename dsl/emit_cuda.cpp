@@ -486,24 +486,12 @@ int type_code(DType t) {
   return t == DType::F32 ? 0 : t == DType::BF16 ? 1 : t == DType::F16 ? 2 : t == DType::I32 ? 3 : 4;
 }
 
-// The kernels' fast path for column loads (ScoreTile::load_columns): when every one reads
-// capture[..., kv_idx, ...] (kv_dim), a kernel loads two adjacent columns at once from the offset
-// at kv_idx = 0. Per load: the capture slot, that dim, the element type; empty when some load is
-// not of that form.
+// Where a tile load reads: the capture slot, its kv dim (indexed by kv_idx itself), its element
+// type.
 struct ColumnLayout {
   size_t slot, dim;
   int type;
 };
-std::vector<ColumnLayout> affine_columns(const Graph& g, const Decls& decls,
-                                         const std::vector<NodeId>& loads) {
-  std::vector<ColumnLayout> out;
-  for (NodeId id : loads) {
-    const int dim = kv_dim(g, decls, id);
-    if (dim < 0) return {};
-    out.push_back({g[id].slot, size_t(dim), type_code(decls.captures.at(g[id].slot).dtype)});
-  }
-  return out;
-}
 
 // Tile loads: score_mod's loads of a 16-bit capture indexed by q_idx and by kv_idx itself
 // (kv_dim: a [Q_LEN, KV_LEN] bias, or [B, H, Q_LEN, KV_LEN]), not by the score; at most
@@ -534,7 +522,7 @@ std::vector<TileLoad> tile_loads(const Graph& g, const Decls& decls) {
 }
 
 // Each load's element offset (called with kv_idx = 0 on the fast paths): `name` is
-// score_column_offsets or score_tile_offsets.
+// score_tile_offsets.
 std::string load_offsets(const Graph& g, const Decls& decls, std::string_view marker,
                          const std::vector<NodeId>& loads, const char* name) {
   BodyWriter w(g, decls, marker, FloatMath::Exact);
@@ -713,7 +701,6 @@ std::string emit_cuda_variant(const EmitInput& in) {
     grads_read_score |= dependencies(cg, ld.derivative).reads(Input::Score);
   const Deps mdeps = dependencies(mask, mask.root);
   const std::vector<NodeId> score_cols = column_loads(score);
-  const std::vector<ColumnLayout> layout = affine_columns(score, decls, score_cols);
   const std::vector<TileLoad> tiles = tile_loads(score, decls);
   std::vector<NodeId> tile_ids;
   std::vector<ColumnLayout> tile_layout;
@@ -740,10 +727,6 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr int kCaptureGradLoads = {};\n"
       "  static constexpr bool kCaptureGradsReadScore = {};\n"
       "  static constexpr int kScoreColumnLoads = {};\n"
-      "  static constexpr bool kScoreColumnsAffine = {};\n"
-      "  __device__ static constexpr int score_column_slot(int k) {{ return {}; }}\n"
-      "  __device__ static constexpr int score_column_dim(int k) {{ return {}; }}\n"
-      "  __device__ static constexpr int score_column_type(int k) {{ return {}; }}\n"
       "  static constexpr int kScoreTileLoads = {};\n"
       "  static constexpr bool kScoreTilesShareHeads = {};\n"
       "  __device__ static constexpr int score_tile_slot(int k) {{ return {}; }}\n"
@@ -753,8 +736,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
-      grads_read_score, score_cols.size(), !layout.empty(), field(layout, &ColumnLayout::slot),
-      field(layout, &ColumnLayout::dim), field(layout, &ColumnLayout::type), tiles.size(),
+      grads_read_score, score_cols.size(), tiles.size(),
       tiles_share_heads(score, tiles),
       field(tile_layout, &ColumnLayout::slot), field(tile_layout, &ColumnLayout::dim),
       field(tile_layout, &ColumnLayout::type), rel_terms.size());
@@ -764,7 +746,6 @@ std::string emit_cuda_variant(const EmitInput& in) {
   out += value_hook(mask, decls, "mask_mod", FloatMath::Exact, "bool", "mask_mod", kMaskParams);
   out += value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams);
   out += column_loader(score, decls, "score_mod", score_cols, "score_columns");
-  out += load_offsets(score, decls, "score_mod", score_cols, "score_column_offsets");
   out += column_loader(score, decls, "score_mod", tile_ids, "score_tiles");
   out += load_offsets(score, decls, "score_mod", tile_ids, "score_tile_offsets");
   out += rel_terms_hook(score, decls, math, rel_terms);
@@ -792,7 +773,8 @@ LaunchFacts launch_facts(const EmitInput& in) {
   if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
   const Graph score = simplify(*in.score);
   return {tiles_share_heads(score, tile_loads(score, *in.decls)),
-          static_cast<int>(relative_terms(score).size())};
+          static_cast<int>(relative_terms(score).size()),
+          static_cast<int>(column_loads(score).size())};
 }
 
 }  // namespace flexc::dsl

@@ -77,7 +77,8 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
   // tiles its producer merges (BlockMask q tiles: multiples of 128). Above D 128, 64-wide kv
   // tiles: a consumer's O takes 96 or 128 of its 240 registers, and Q with two stages of K and
   // V must fit 227 KiB. D 96 is stored as two whole 64-column panels (TMA fills the last 32
-  // with zeros). Head dims: q's and k's `head_dim`, v's and the output's `v_head_dim`.
+  // with zeros). Head dims: q's and k's `head_dim`, v's and the output's `v_head_dim`. The
+  // barriers: 1 + 7 per stage; beside the ring a word per stage (the staged loads').
   for (int d : {head_dim, v_head_dim})
     if (!fwd_sm90_supports(d))
       throw Error(fmt::format("the Hopper kernel has no head dim {} (64, 96, 128, 192 or 256)", d));
@@ -93,7 +94,7 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
   const auto smem = [&](int block_n) {
     return size_t(2) * (std::max(panels(head_dim), panels(v_head_dim)) * c.block_m +
                         size_t(c.stages) * block_n * (panels(head_dim) + panels(v_head_dim))) +
-           8 * (1 + 4 * c.stages) + 4 * 8 + 1024;
+           8 * (1 + 7 * c.stages) + 4 * (8 + c.stages) + 1024;
   };
   // 128-wide kv tiles where O leaves the registers for them (Dv <= 128) and K and V fit twice
   // (MLA's D 192 / Dv 128 does: 209 KiB); 64 otherwise.
@@ -102,8 +103,9 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
   return c;
 }
 
-size_t fwd_rel_bytes(int rel_terms, const TileConfig& c, bool hopper) {
-  return size_t(hopper ? c.threads / 128 - 1 : 1) * 2 * 256 * 4 * rel_terms;
+size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper) {
+  const size_t rel = size_t(hopper ? c.threads / 128 - 1 : 1) * 2 * 256 * 4 * facts.score_rel_terms;
+  return rel + (hopper ? size_t(c.stages) * c.block_n * 4 * facts.score_column_loads : 0);
 }
 
 // The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on
@@ -365,8 +367,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
   const bool heads_first = hopper && kernel->facts().score_tiles_share_heads;
-  const size_t smem =
-      cfg.smem_bytes + detail::fwd_rel_bytes(kernel->facts().score_rel_terms, cfg, hopper);
+  const size_t smem = cfg.smem_bytes + detail::fwd_hook_bytes(kernel->facts(), cfg, hopper);
   kernel->launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
                 unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
 }

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "../templates/attention_params.cuh"
+#include "dsl/emit_cuda.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 #include "jit/kernels.h"
@@ -33,11 +34,12 @@ TileConfig fwd_config(int head_dim, int v_head_dim);
 // The Hopper kernel's, with q tiles of `block_m` rows (0: the head dims' default, 192 at D 64
 // and 128 otherwise; 128 always fits). Throws flexc::Error for a head dim it does not support.
 TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m = 0);
-// What a forward kernel of configuration `c` adds to its shared memory for `rel_terms` relative
-// terms of score_mod (dsl::LaunchFacts): two 256-word tables per term, for each of the Hopper
-// kernel's consumers or for the portable kernel's CTA. At most 12 KiB, which every
-// configuration above leaves room for.
-size_t fwd_rel_bytes(int rel_terms, const TileConfig& c, bool hopper);
+// What a forward kernel of configuration `c` adds to its shared memory for score_mod's data
+// (dsl::LaunchFacts): two 256-word tables per relative term, for each of the Hopper kernel's
+// consumers or for the portable kernel's CTA, and on Hopper per stage a word per key and column
+// load (the staged column loads). At most 14 KiB, which every configuration above leaves room
+// for (templates/attention_fwd_sm90.cuh asserts it).
+size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 

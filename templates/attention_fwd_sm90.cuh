@@ -9,6 +9,8 @@
 //   kind) in a ring in shared memory, and loads Q once and then K and V tile by tile with TMA
 //   into wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
 //   completing on a "full" mbarrier; it waits on the stage's "empty" mbarrier before reusing it.
+//   Its warps 1-3 stage score_mod's per-key loads of each tile in shared memory
+//   (StagedColumns), in stages of their own, so the consumers spend no registers on them.
 //   It gives most of its registers to the consumers.
 // - the consumers, 64 q rows each: per kv tile j a consumer issues S_j = Q.K_j^T and
 //   O += P_{j-1}.V_{j-1} back to back, then runs the hooks and the online softmax of tile j while
@@ -46,14 +48,6 @@ static_assert(head_dim_ok(kD) && head_dim_ok(kDv), "head dims 64, 96, 128, 192 o
 static_assert((kBlockM == 128 || (kBlockM == 192 && kD == 64 && kDv == 64)) &&
                   (kBlockN == 128 || kBlockN == 64) && kStages >= 2,
               "the configurations built and tested");
-// setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
-// must be covered by what the producer releases, or it waits forever (FlashAttention-3's split).
-constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
-constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
-static_assert(128 * (kLaunchRegs - kProducerRegs) >=
-                  128 * kConsumers * (kConsumerRegs - kLaunchRegs),
-              "register reallocation must balance");
 // The schedule the producer publishes: per kv tile one word, the tile's first kv index (a multiple
 // of kBlockN) with consumer c's TileKind in bits 2c, 2c + 1; kEnd after the last tile. Word j + 1
 // is written before K_j's load arrives on its "full" barrier, so a consumer that waited for K_j
@@ -73,23 +67,42 @@ using RelTable = flexc_attn::RelTable<64, kBlockN>;
 constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // Shared memory: Q (or O's staging, the larger), K[kStages], V[kStages] (each 1024-byte aligned:
 // the sizes are multiples of 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the
-// last 32), then the mbarriers, the schedule ring and the relative-term tables (src/attention.cpp
-// adds their bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the dynamic base.
-constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+// last 32), the staged column loads' stages, then the mbarriers, the schedule ring, the staged
+// loads' kv indices and the relative-term tables (src/attention.cpp adds the staged loads' and
+// the tables' bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the dynamic base.
+// q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[], t_full[],
+// t_empty[]
+constexpr int kBarriers = 1 + 7 * kStages;
 constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
-constexpr int kSmemBytes = kQBytes + kStages * (KTile::kBytes + VTile::kBytes) + 8 * kBarriers +
-                           4 * kRing + kConsumers * kRelBytes;
+// score_mod's column loads, staged per kv tile in shared memory by the producer's warps 1-3 (the
+// loaders), in stages beside K's and V's: the consumers then hold no registers for them across
+// their waits (D 64's 160 registers need that).
+constexpr int kLoaders = 96;
+using Staged = flexc_attn::StagedColumns<kBlockN>;
+constexpr bool kStaging = Staged::kBytes > 0;
+constexpr int kSmemBytes = kQBytes + kStages * (KTile::kBytes + VTile::kBytes + Staged::kBytes) +
+                           8 * kBarriers + 4 * kRing + 4 * kStages + kConsumers * kRelBytes;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
+// setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
+// must be covered by what the producer releases, or it waits forever (FlashAttention-3's split).
+// With two consumers, loaders take 40 and leave their consumers 232; with three, 32 each is all
+// there is.
+constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
+constexpr int kProducerRegs = kConsumers == 2 ? (kStaging ? 40 : 24) : 32;
+constexpr int kConsumerRegs = kConsumers == 2 ? (kStaging ? 232 : 240) : 160;
+static_assert(128 * (kLaunchRegs - kProducerRegs) >=
+                  128 * kConsumers * (kConsumerRegs - kLaunchRegs),
+              "register reallocation must balance");
 // Named barriers: 0 is __syncthreads; then per consumer its turns, its epilogue, its relative-term
 // tables.
 constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers,
               kRelBarrier = 1 + 2 * kConsumers;
 static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
 
-using Scores = flexc_attn::ScoreTile<1, kNT>;
+using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged>;
 
 struct Smem {
-  unsigned q, k, v, bars, ring;  // shared-memory addresses
+  unsigned q, k, v, t, bars, ring;  // shared-memory addresses
   __device__ __forceinline__ unsigned k_tile(int s) const { return k + s * KTile::kBytes; }
   __device__ __forceinline__ unsigned v_tile(int s) const { return v + s * VTile::kBytes; }
   __device__ __forceinline__ unsigned q_full() const { return bars; }
@@ -97,6 +110,13 @@ struct Smem {
   __device__ __forceinline__ unsigned v_full(int s) const { return bars + 8 * (1 + kStages + s); }
   __device__ __forceinline__ unsigned k_empty(int s) const { return bars + 8 * (1 + 2 * kStages + s); }
   __device__ __forceinline__ unsigned v_empty(int s) const { return bars + 8 * (1 + 3 * kStages + s); }
+  // The staged loads: stage s's kv index published (by the producer thread, once the stage is
+  // free), its loads landed (the loaders), its reads done (every consumer thread).
+  __device__ __forceinline__ unsigned t_go(int s) const { return bars + 8 * (1 + 4 * kStages + s); }
+  __device__ __forceinline__ unsigned t_full(int s) const { return bars + 8 * (1 + 5 * kStages + s); }
+  __device__ __forceinline__ unsigned t_empty(int s) const { return bars + 8 * (1 + 6 * kStages + s); }
+  __device__ __forceinline__ unsigned t_tile(int s) const { return t + s * Staged::kBytes; }
+  __device__ __forceinline__ unsigned staged_kv(int s) const { return ring + 4 * (kRing + s); }
 };
 
 // A tile of `Tile::kRows` rows from `row0` of head h, batch b, one TMA box per 64-column panel.
@@ -134,8 +154,9 @@ __device__ __forceinline__ void pack_p(const float (&s)[kNT][4], unsigned (&pa)[
   for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<kBf16>(s, kk, pa[kk]);
 }
 
-// Warpgroup 0: the schedule and the loads. Stage s of round r (tile j = r * kStages + s) is
-// reused once every consumer released round r - 1.
+// Warpgroup 0's thread 0: the schedule and the TMA loads. Stage s of round r (tile j = r * kStages
+// + s) is reused once every consumer released round r - 1. With staged loads it also hands each
+// stage's kv index (kEnd after the last) to the loaders once the consumers released the stage.
 __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
                                         const FlexcTensorMap& tq, const FlexcTensorMap& tk,
                                         const FlexcTensorMap& tv, const FlexcBlockMask& bm,
@@ -160,16 +181,42 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
   int kv0 = tiles.next(bm, p.kv_len, kinds);
   ring[0] = word(kv0, kinds);
   load_tile<QTile>(sm.q, tq, q0, h, b, sm.q_full());
-  for (int j = 0; kv0 >= 0; ++j) {
+  // The loaders' stage s, free once the consumers read it (before they release V's).
+  auto hand_over = [&](int j, unsigned kv) {
+    if constexpr (kStaging) {
+      const int s = j % kStages;
+      mbar_wait(sm.t_empty(s), ((j / kStages) & 1) ^ 1);
+      st_shared(sm.staged_kv(s), kv);
+      mbar_arrive(sm.t_go(s));
+    }
+  };
+  int j = 0;
+  for (; kv0 >= 0; ++j) {
     const int s = j % kStages;
     const unsigned empty_parity = ((j / kStages) & 1) ^ 1;
     const int next = tiles.next(bm, p.kv_len, kinds);
     mbar_wait(sm.k_empty(s), empty_parity);
     ring[(j + 1) % kRing] = word(next, kinds);
     load_tile<KTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
+    hand_over(j, unsigned(kv0));
     mbar_wait(sm.v_empty(s), empty_parity);
     load_tile<VTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
     kv0 = next;
+  }
+  hand_over(j, kEnd);
+}
+
+// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): score_mod's column loads of each kv tile
+// the producer thread hands over, until it hands over kEnd.
+__device__ __forceinline__ void load_staged(const Smem& sm, const FlexcAttentionParams& p,
+                                           const FlexcArgs& args, int h, int b, int tid) {
+  for (int j = 0;; ++j) {
+    const int s = j % kStages;
+    mbar_wait(sm.t_go(s), (j / kStages) & 1);
+    const unsigned kv0 = ld_shared_volatile(sm.staged_kv(s));
+    if (kv0 == kEnd) break;
+    Staged::load(sm.t_tile(s), p, args, b, h, int(kv0), tid, kLoaders);
+    mbar_arrive(sm.t_full(s));
   }
 }
 
@@ -188,10 +235,11 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   sm.q = (raw + 1023) & ~1023u;
   sm.k = sm.q + kQBytes;
   sm.v = sm.k + kStages * KTile::kBytes;
-  sm.bars = sm.v + kStages * VTile::kBytes;
+  sm.t = sm.v + kStages * VTile::kBytes;
+  sm.bars = sm.t + kStages * Staged::kBytes;
   sm.ring = sm.bars + 8 * kBarriers;
-  unsigned char* q_smem = smem_raw + (sm.q - raw);
-  volatile unsigned* ring = reinterpret_cast<volatile unsigned*>(smem_raw + (sm.ring - raw));
+  unsigned char* q_smem = smem_raw + (sm.q - raw);  // the aligned base
+  volatile unsigned* ring = reinterpret_cast<volatile unsigned*>(q_smem + (sm.ring - sm.q));
 
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles. With a
   // head-shared [Q_LEN, KV_LEN] tile load the grid is (heads, q tiles) instead (dsl::LaunchFacts),
@@ -213,12 +261,22 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   const int active = min(kConsumers, (p.q_len - q0 + 63) / 64);
 
   if (threadIdx.x == 0) {
+    // The host sizes shared memory by this file's rule (src/attention.cpp, fwd_hook_bytes): were
+    // they ever to disagree, the kernel would overwrite memory past its own; it stops instead.
+    unsigned given;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
+    if (given < sm.q - raw + kSmemBytes) __trap();
     mbar_init(sm.q_full(), 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.k_full(s), 1);
       mbar_init(sm.v_full(s), 1);
       mbar_init(sm.k_empty(s), 128 * kConsumers);  // every consumer thread releases
       mbar_init(sm.v_empty(s), 128 * kConsumers);
+      if constexpr (kStaging) {
+        mbar_init(sm.t_go(s), 1);
+        mbar_init(sm.t_full(s), kLoaders);
+        mbar_init(sm.t_empty(s), 128 * kConsumers);
+      }
     }
     mbar_fence_init();
   }
@@ -226,7 +284,12 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (threadIdx.x == 0) produce(sm, ring, tq, tk, tv, bm, p, q0, active, h, h_kv, b);
+    const int pw = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
+    if (pw == 0) {
+      if (threadIdx.x == 0) produce(sm, ring, tq, tk, tv, bm, p, q0, active, h, h_kv, b);
+    } else if (kStaging) {
+      load_staged(sm, p, args, h, b, int(threadIdx.x) - 32);
+    }
     return;
   }
   regs_inc<kConsumerRegs>();  // paid for by the producer's decrease: see kLaunchRegs
@@ -264,6 +327,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       take_turn();
       pass_turn(word == kEnd);
       mbar_arrive(sm.k_empty(st));
+      if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
       mbar_arrive(sm.v_empty(st));
     }
     return;
@@ -278,18 +342,22 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     kv0 = int(word & ~kKindMask);
     kind = (word >> (2 * cw)) & 3u;
   };
-  // score_mod's column and tile loads (a per-key bias, a [Q_LEN, KV_LEN] one) of the current tile,
-  // issued before this consumer waits for its turn and for S: the wait hides their latency.
+  // score_mod's tile loads (a [Q_LEN, KV_LEN] bias) of the current tile, issued before this
+  // consumer waits for its turn and for S: the wait hides their latency. The rows' pointers are
+  // the q tile's, pinned in registers.
   typename Scores::Columns cols;
+  typename Scores::TileRows tile_rows = Scores::tile_rows(p, args, b, h, row0);
   auto load_columns = [&] {
+    tile_rows.pin();
     if (!(kMayBeEmpty && kind == flexc_attn::kTileEmpty))
-      Scores::load_columns(cols, p, args, b, h, row0, kv0);
+      Scores::load_columns(cols, tile_rows, p, args, b, h, row0, kv0);
   };
   // Its relative terms, tabulated by the consumer's 128 threads while Q.K^T runs (ahead of the
   // wait, T5's cost 3% more, docs/perf.md), into the table of tile j's parity; the barrier orders
   // the writes before every thread's reads, and those before the writes of tile j + 2. A tile
   // empty here reads the last table (its scores are masked whatever they read).
-  unsigned* const tables = reinterpret_cast<unsigned*>(smem_raw + (sm.ring + 4 * kRing - raw));
+  unsigned* const tables =
+      reinterpret_cast<unsigned*>(q_smem + (sm.ring + 4 * (kRing + kStages) - sm.q));
   cols.rel = RelTable::thread_view(tables + cw * 2 * RelTable::kWords, (warp & 3) * 16);
   auto fill_rel_table = [&](int j) {
     if constexpr (RelTable::kTerms > 0) {
@@ -301,11 +369,17 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       cols.rel = RelTable::thread_view(table, (warp & 3) * 16);
     }
   };
-  // Hooks and softmax of the current tile in s (left as probabilities); whether O must be
+  // Hooks and softmax of tile j (stage st) in s (left as probabilities); whether O must be
   // rescaled. A tile empty for these rows contributes nothing (a select, not a branch: ptxas
-  // keeps two copies of s across a branch that writes it, and spills).
-  auto softmax_tile = [&](float (&alpha)[1][2]) {
+  // keeps two copies of s across a branch that writes it, and spills). Its staged loads are
+  // read here, and released.
+  auto softmax_tile = [&](int j, int st, float (&alpha)[1][2]) {
+    if constexpr (kStaging) {
+      mbar_wait(sm.t_full(st), (j / kStages) & 1);
+      cols.staged = Staged::view(q_smem + (sm.t_tile(st) - sm.q));
+    }
     Scores::apply_mods(s, p, args, b, h, row0, kv0, kind == flexc_attn::kTilePartial, &cols);
+    if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
     if constexpr (kMayBeEmpty) {
       const bool empty = kind == flexc_attn::kTileEmpty;
 #pragma unroll
@@ -333,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     fence_regs(s[0]);
     mbar_arrive(sm.k_empty(0));
     float alpha[1][2];
-    softmax_tile(alpha);  // O is still 0: nothing to rescale
+    softmax_tile(0, 0, alpha);  // O is still 0: nothing to rescale
     pack_p(s[0], pa);
     j = 1;
   }
@@ -356,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     fence_regs(s[0]);
     mbar_arrive(sm.k_empty(st));
     float alpha[1][2];
-    const bool rescale = softmax_tile(alpha);
+    const bool rescale = softmax_tile(j, st, alpha);
     wgmma_wait<0>();  // P_{j-1}.V_{j-1}
     fence_regs(o[0]);
     mbar_arrive(sm.v_empty(prev));

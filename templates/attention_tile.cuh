@@ -236,12 +236,52 @@ struct RelTable {
   }
 };
 
+// score_mod's column loads (flexc_hooks.cuh) of one kv tile, staged in shared memory by loader
+// threads ahead of the scores (the Hopper forward's idle producer warps), so that the threads
+// computing the scores hold no registers for them across their waits (a word per score column
+// and load: 32 registers at 128-wide tiles). A stage holds word k * BLOCK_N + c for key kv0 + c.
+// (Its [Q_LEN, KV_LEN] tile loads were staged the same way, by cp.async: 3-5% slower than the
+// consumers' own loads, docs/perf.md.)
+template <int BLOCK_N>
+struct StagedColumns {
+  static constexpr int kCols = FlexcVariant::kScoreColumnLoads;
+  static constexpr int kBytes = kCols * BLOCK_N * 4;
+
+  // Loader `tid` of `n` fills the stage at shared address `stage` for the kv tile from kv0
+  // (keys past kv_len read the last one: the kernel masks their scores).
+  __device__ __forceinline__ static void load(unsigned stage, const FlexcAttentionParams& p,
+                                              const FlexcArgs& args, int b, int h, int kv0,
+                                              int tid, int n) {
+#pragma unroll 1
+    for (int c = tid; c < BLOCK_N; c += n) {
+      unsigned w[kCols > 0 ? kCols : 1];
+      FlexcVariant::score_columns(args, b, h, 0, min(kv0 + c, p.kv_len - 1), p.q_pos0 + p.q_len,
+                                  p.kv_len, w);
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) flexc_tile::st_shared(stage + 4 * (k * BLOCK_N + c), w[k]);
+    }
+  }
+  // Where a consumer thread reads a stage (at `stage` in the CTA's shared memory): the words of
+  // its scores' n8 column tile j, column 2t + e, at view[k * BLOCK_N + 8 j + e].
+  using View = const unsigned*;
+  __device__ __forceinline__ static View view(const unsigned char* stage) {
+    return reinterpret_cast<const unsigned*>(stage) + 2 * (threadIdx.x & 3);
+  }
+};
+
 // Which index a fragment tile's rows run along: queries (S = Q.K^T, the forward kernels) or keys
 // (S^T = K.Q^T, the backward kernel). The hooks always see logical (q_idx, kv_idx).
 enum class Rows { Q, Kv };
 
-// The hooks on a warp's MT x NT fragment tile of scores (layout above), rows along R.
-template <int MT, int NT, Rows R = Rows::Q>
+// No staged loads: the kernel loads score_mod's columns itself (load_columns).
+struct Unstaged {
+  static constexpr int kCols = 0, kBytes = 0;
+  using View = const unsigned*;
+};
+
+// The hooks on a warp's MT x NT fragment tile of scores (layout above), rows along R. STAGED: a
+// StagedColumns whose loads someone else puts in shared memory (Columns::staged says where).
+template <int MT, int NT, Rows R = Rows::Q, class STAGED = Unstaged>
 struct ScoreTile {
   // The hook indices of this thread's scores, clamped into [0, len) as the hooks' contract
   // requires (flexc_hooks.cuh), and whether each row / column is inside its length. Computed
@@ -333,101 +373,109 @@ struct ScoreTile {
     return row0 + MT * 16 > p.kv_len || col0 + NT * 8 > p.q_len;
   }
 
-  // The variant's column and tile loads (flexc_hooks.cuh) at this thread's scores of one tile,
-  // rows along Q: load_columns issues them ahead of the tile's scores (the Hopper kernel: before
-  // it waits for its turn and for Q.K^T, which hide their latency) and apply_mods reads them.
-  // Tile loads are 16-bit: a word holds a row's columns 2t and 2t + 1 of an n8 tile, raw bits.
-  // `rel`: the tile's relative terms (RelTable::thread_view), filled by the kernel.
+  // The variant's column, tile and relative-term loads (flexc_hooks.cuh) at this thread's scores
+  // of one tile, rows along Q, which apply_mods reads: the column loads from `staged` (a
+  // StagedColumns view: the Hopper kernel's loaders fill it); the tile loads, which load_columns
+  // issues ahead of the tile's scores (the Hopper kernel: before it waits for its turn and for
+  // Q.K^T, which hide their latency), 16-bit, a word holding a row's columns 2t and 2t + 1 of an
+  // n8 tile, raw bits; `rel`, the tile's relative terms (RelTable::thread_view), filled by the
+  // kernel.
   static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;
   static constexpr int kScoreTiles = FlexcVariant::kScoreTileLoads;
   static constexpr int kRelTerms = FlexcVariant::kScoreRelTerms;
   static constexpr int kScoreWords = kScoreCols + kScoreTiles + kRelTerms;
+  static constexpr bool kStagedCols = STAGED::kCols > 0;
+  static_assert(!kStagedCols || STAGED::kBytes == kScoreCols * NT * 8 * 4,
+                "the stages hold every column load of the tile's columns");
   struct Columns {
-    unsigned score[NT][2][kScoreCols > 0 ? kScoreCols : 1];
     unsigned tile[MT][2][NT][kScoreTiles > 0 ? kScoreTiles : 1];
     const unsigned* rel;
+    typename STAGED::View staged;
   };
-  __device__ __forceinline__ static void load_columns(Columns& c, const FlexcAttentionParams& p,
-                                                      const FlexcArgs& args, int b, int h,
-                                                      int row0, int col0) {
-    static_assert(R == Rows::Q, "columns are keys");
-    if constexpr (kScoreCols > 0) {
-      bool paired = false;
-      if constexpr (FlexcVariant::kScoreColumnsAffine)
-        paired = load_column_pairs(c, p, args, b, h, col0);
-      if (!paired) {
-        const Idx idx = index(h, 0, col0, p);  // (rows unused)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            FlexcVariant::score_columns(args, b, h, 0, idx.col[j][e], hook_q_len(p), p.kv_len,
-                                        c.score[j][e]);
-      }
-    }
-    if constexpr (kScoreTiles > 0) {
-      const Idx idx = index(h, row0, col0, p);
-      if (!load_tile_pairs(c, p, args, b, idx, col0)) {
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-          for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              unsigned w[2][kScoreTiles > 0 ? kScoreTiles : 1];
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                FlexcVariant::score_tiles(args, b, h, idx.row[i][r], idx.col[j][e], hook_q_len(p),
-                                          p.kv_len, w[e]);
-#pragma unroll
-              for (int k = 0; k < kScoreTiles; ++k)
-                c.tile[i][r][j][k] = pack_pair(FlexcVariant::score_tile_type(k), w[0][k], w[1][k]);
-            }
-      }
-    }
-  }
-
-  // The fast path of the tile loads: inside kv_len, where the capture's kv dim has stride 1 and
-  // every row's pairs are aligned, a thread's columns 2t, 2t + 1 of each n8 tile of a row are one
-  // 32-bit load from the row's offset at kv_idx = 0 (one offset per row, no per-score address
-  // arithmetic). False: the caller loads them element by element.
-  __device__ __forceinline__ static bool load_tile_pairs(Columns& c, const FlexcAttentionParams& p,
-                                                         const FlexcArgs& args, int b,
-                                                         const Idx& idx, int col0) {
-    if (col0 + NT * 8 > p.kv_len) return false;
-    const int col = col0 + (threadIdx.x & 3) * 2;
-    long long base[MT][2][kScoreTiles > 0 ? kScoreTiles : 1];
-    bool ok = true;
-#pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        FlexcVariant::score_tile_offsets(args, b, idx.head[i][r], idx.row[i][r], 0, hook_q_len(p),
-                                         p.kv_len, base[i][r]);
-#pragma unroll
-        for (int k = 0; k < kScoreTiles; ++k) {
-          const FlexcCapture& cap = args.captures[FlexcVariant::score_tile_slot(k)];
-          const unsigned long long at =
-              reinterpret_cast<unsigned long long>(cap.data) + (base[i][r][k] + col) * 2;
-          ok &= cap.stride[FlexcVariant::score_tile_dim(k)] == 1 && at % 4 == 0;
-        }
-      }
-    if (!ok) return false;
-#pragma unroll
-    for (int k = 0; k < kScoreTiles; ++k) {
-      const unsigned short* data = static_cast<const unsigned short*>(
-          args.captures[FlexcVariant::score_tile_slot(k)].data);
+  // Where this thread's rows of the tile loads start (element kv_idx = 0 plus its first key of
+  // an n8 tile, 2t), and whether the fast path applies to them: the capture's kv dim has stride 1
+  // and every such pair is 4-byte aligned. The same for every kv tile of a q tile, so a kernel
+  // computes them once (the Hopper kernel keeps them in registers: read again per tile from
+  // special registers, they cost bias_2d 8-10% at D 128, docs/perf.md).
+  struct TileRows {
+    const unsigned* at[MT][2][kScoreTiles > 0 ? kScoreTiles : 1];
+    bool pairs;
+    // Keeps them in registers: the compiler may no longer recompute them.
+    __device__ __forceinline__ void pin() {
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
-            c.tile[i][r][j][k] =
-                *reinterpret_cast<const unsigned*>(data + base[i][r][k] + col + j * 8);
+          for (int k = 0; k < kScoreTiles; ++k) asm volatile("" : "+l"(at[i][r][k]));
     }
-    return true;
+  };
+  __device__ __forceinline__ static TileRows tile_rows(const FlexcAttentionParams& p,
+                                                       const FlexcArgs& args, int b, int h,
+                                                       int row0) {
+    TileRows t{};
+    t.pairs = true;
+    if constexpr (kScoreTiles > 0) {
+      const Idx idx = index(h, row0, 0, p);
+      const int col = (threadIdx.x & 3) * 2;
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          long long base[kScoreTiles > 0 ? kScoreTiles : 1];
+          FlexcVariant::score_tile_offsets(args, b, idx.head[i][r], idx.row[i][r], 0,
+                                           hook_q_len(p), p.kv_len, base);
+#pragma unroll
+          for (int k = 0; k < kScoreTiles; ++k) {
+            const FlexcCapture& cap = args.captures[FlexcVariant::score_tile_slot(k)];
+            const unsigned short* at = static_cast<const unsigned short*>(cap.data) + base[k] + col;
+            t.pairs &= cap.stride[FlexcVariant::score_tile_dim(k)] == 1 &&
+                       reinterpret_cast<unsigned long long>(at) % 4 == 0;
+            t.at[i][r][k] = reinterpret_cast<const unsigned*>(at);
+          }
+        }
+    }
+    return t;
   }
+  // The tile loads of the tile from col0: on the fast path (inside kv_len, `rows.pairs`) a
+  // thread's columns 2t, 2t + 1 of each n8 tile of a row are one 32-bit load from the row's
+  // pointer, no per-score address arithmetic; element by element otherwise.
+  __device__ __forceinline__ static void load_columns(Columns& c, const TileRows& rows,
+                                                      const FlexcAttentionParams& p,
+                                                      const FlexcArgs& args, int b, int h,
+                                                      int row0, int col0) {
+    static_assert(R == Rows::Q, "columns are keys");
+    if constexpr (kScoreTiles > 0) {
+      if (rows.pairs && col0 + NT * 8 <= p.kv_len) {
+#pragma unroll
+        for (int k = 0; k < kScoreTiles; ++k)
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+              for (int j = 0; j < NT; ++j) c.tile[i][r][j][k] = rows.at[i][r][k][(col0 >> 1) + j * 4];
+        return;
+      }
+      const Idx idx = index(h, row0, col0, p);
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            unsigned w[2][kScoreTiles > 0 ? kScoreTiles : 1];
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              FlexcVariant::score_tiles(args, b, h, idx.row[i][r], idx.col[j][e], hook_q_len(p),
+                                        p.kv_len, w[e]);
+#pragma unroll
+            for (int k = 0; k < kScoreTiles; ++k)
+              c.tile[i][r][j][k] = pack_pair(FlexcVariant::score_tile_type(k), w[0][k], w[1][k]);
+          }
+    }
+  }
+
   // Two elements of a 16-bit load (type 1 bf16, 2 fp16) given as float32 bits (score_tiles) as
   // one word of raw bits, and element c of such a word as float32 bits: exact, the values being
   // 16-bit ones.
@@ -444,59 +492,6 @@ struct ScoreTile {
     const unsigned short half = static_cast<unsigned short>(c ? w >> 16 : w & 0xffffu);
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(half));
     return __float_as_uint(f);
-  }
-
-  // The fast path of the column loads (FlexcVariant::kScoreColumnsAffine: every column load is
-  // capture[..., kv_idx, ...]): inside kv_len, and where each capture's kv dim has stride 1 and
-  // pairs are aligned, a thread's columns 2t, 2t + 1 of each n8 tile are one load from the offset
-  // at kv_idx = 0, with no per-column index or address arithmetic. False: the caller loads them
-  // one by one.
-  __device__ __forceinline__ static bool load_column_pairs(Columns& c, const FlexcAttentionParams& p,
-                                                           const FlexcArgs& args, int b, int h,
-                                                           int col0) {
-    if (col0 + NT * 8 > p.kv_len) return false;
-    long long base[2];
-    FlexcVariant::score_column_offsets(args, b, h, 0, 0, hook_q_len(p), p.kv_len, base);
-    bool ok = true;
-#pragma unroll
-    for (int k = 0; k < kScoreCols; ++k) {
-      const FlexcCapture& cap = args.captures[FlexcVariant::score_column_slot(k)];
-      const int bytes = column_bytes(FlexcVariant::score_column_type(k));
-      ok &= cap.stride[FlexcVariant::score_column_dim(k)] == 1 &&
-            (reinterpret_cast<unsigned long long>(cap.data) + base[k] * bytes) % (2 * bytes) == 0;
-    }
-    if (!ok) return false;
-    const int col = col0 + (threadIdx.x & 3) * 2;
-#pragma unroll
-    for (int k = 0; k < kScoreCols; ++k) {
-      const void* data = args.captures[FlexcVariant::score_column_slot(k)].data;
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-        load_pair(FlexcVariant::score_column_type(k), data, base[k] + col + j * 8,
-                  c.score[j][0][k], c.score[j][1][k]);
-    }
-    return true;
-  }
-  __device__ __forceinline__ static constexpr int column_bytes(int type) {
-    return type == 0 || type == 3 ? 4 : type == 4 ? 1 : 2;
-  }
-  // Elements `at` and `at + 1` of a capture of element type `type` (affine_columns' codes in
-  // dsl/emit_cuda.cpp; a constant once unrolled) as the 32-bit words score_columns makes of them.
-  // Ordinary loads, like the column loads' (flexc_hooks.cuh says why).
-  __device__ __forceinline__ static void load_pair(int type, const void* data, long long at,
-                                                   unsigned& w0, unsigned& w1) {
-    if (type == 0 || type == 3) {  // float32 / int32 bits
-      const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const unsigned*>(data) + at);
-      w0 = v.x, w1 = v.y;
-    } else if (type == 1 || type == 2) {  // bf16 / fp16 -> float32 bits
-      const unsigned v =
-          *reinterpret_cast<const unsigned*>(static_cast<const unsigned short*>(data) + at);
-      w0 = unpack(type, v, 0), w1 = unpack(type, v, 1);
-    } else {  // bool: nonzero byte
-      const unsigned short v =
-          *reinterpret_cast<const unsigned short*>(static_cast<const unsigned char*>(data) + at);
-      w0 = (v & 0xffu) != 0, w1 = (v >> 8) != 0;
-    }
   }
 
   // score_mod on scale * q.k, then the mask (FlexAttention's order), for the tile at (row0,
@@ -529,11 +524,12 @@ struct ScoreTile {
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
               FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
-        if constexpr (kScoreWords > 0) {
+        // (Column loads are read from cols only where someone staged them.)
+        if constexpr (kScoreWords > 0 && (kScoreCols == 0 || kStagedCols)) {
           if (cols) {
             unsigned cv[kScoreWords > 0 ? kScoreWords : 1];
 #pragma unroll
-            for (int k = 0; k < kScoreCols; ++k) cv[k] = cols->score[j][e & 1][k];
+            for (int k = 0; k < kScoreCols; ++k) cv[k] = cols->staged[k * NT * 8 + 8 * j + (e & 1)];
 #pragma unroll
             for (int k = 0; k < kScoreTiles; ++k)
               cv[kScoreCols + k] = unpack(FlexcVariant::score_tile_type(k),

@@ -42,20 +42,15 @@
 //                                        int kv_idx, int q_len, int kv_len, unsigned* cv);
 //   __device__ static void score_tiles(/* the same */);  // one element's tile loads
 //   __device__ static float score_mod_cols(/* score_mod's parameters */, const unsigned* cv);
-//   // When every column load reads capture[..., kv_idx, ...] (kv_idx itself, at a dim of length
-//   // KV_LEN; kScoreColumnsAffine), and for every tile load: load k's capture slot, that dim,
-//   // its element type (0 float32, 1 bf16, 2 fp16, 3 int32, 4 bool), and its element offsets
-//   // (at kv_idx = 0, the kernels add the key), so that a kernel loads adjacent keys together.
-//   static constexpr bool kScoreColumnsAffine;
-//   __device__ static constexpr int score_column_slot(int k), score_column_dim(int k),
-//                                   score_column_type(int k);
-//   __device__ static void score_column_offsets(const FlexcArgs& a, int b, int h, int q_idx,
-//                                               int kv_idx, int q_len, int kv_len, long long* o);
+//   // For every tile load: load k's capture slot, its kv dim, its element type (1 bf16, 2
+//   // fp16), and its element offsets (at kv_idx = 0, the kernels add the key), so that a kernel
+//   // loads adjacent keys together.
 //   static constexpr int kScoreTileLoads;
 //   static constexpr bool kScoreTilesShareHeads;  // tile loads whose indices do not read h
 //   __device__ static constexpr int score_tile_slot(int k), score_tile_dim(int k),
 //                                   score_tile_type(int k);
-//   __device__ static void score_tile_offsets(/* as score_column_offsets */);
+//   __device__ static void score_tile_offsets(const FlexcArgs& a, int b, int h, int q_idx,
+//                                             int kv_idx, int q_len, int kv_len, long long* o);
 //   // Relative terms (kScoreRelTerms, 0..2): score_mod's costly subexpressions that read q_idx and
 //   // kv_idx only through d = kv_idx - q_idx (a T5 bucket's bias, a distance decay), as 32-bit
 //   // words at one d, which a kernel tabulates per tile (attention_tile.cuh, RelTable);

@@ -85,6 +85,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void st_shared(unsigned addr, float v) {
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(v) : "memory");
 }
+__device__ __forceinline__ void st_shared(unsigned addr, unsigned v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// A word another thread wrote (ordered by a barrier the caller waited on).
+__device__ __forceinline__ unsigned ld_shared_volatile(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
 
 // 16-byte global -> shared copy that bypasses L1; `valid == false` writes zeros and reads nothing
 // (so `src` may point past the tensor), for rows past a sequence's end: zeros keep
