@@ -273,7 +273,7 @@ struct StagedColumns {
 // (S^T = K.Q^T, the backward kernel). The hooks always see logical (q_idx, kv_idx).
 enum class Rows { Q, Kv };
 
-// No staged loads: the kernel loads score_mod's columns itself (load_columns).
+// No staged loads: apply_mods evaluates score_mod's column loads where they stand.
 struct Unstaged {
   static constexpr int kCols = 0, kBytes = 0;
   using View = const unsigned*;
