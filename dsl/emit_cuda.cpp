@@ -488,7 +488,7 @@ int type_code(DType t) {
 
 // Where a tile load reads: the capture slot, its kv dim (indexed by kv_idx itself), its element
 // type.
-struct ColumnLayout {
+struct TileLayout {
   size_t slot, dim;
   int type;
 };
@@ -503,7 +503,7 @@ constexpr size_t kMaxTileLoads = 1;
 
 struct TileLoad {
   NodeId id;
-  ColumnLayout layout;
+  TileLayout layout;
 };
 std::vector<TileLoad> tile_loads(const Graph& g, const Decls& decls) {
   std::vector<TileLoad> out;
@@ -703,11 +703,11 @@ std::string emit_cuda_variant(const EmitInput& in) {
   const std::vector<NodeId> score_cols = column_loads(score);
   const std::vector<TileLoad> tiles = tile_loads(score, decls);
   std::vector<NodeId> tile_ids;
-  std::vector<ColumnLayout> tile_layout;
+  std::vector<TileLayout> tile_layout;
   for (const TileLoad& t : tiles) tile_ids.push_back(t.id), tile_layout.push_back(t.layout);
   const std::vector<NodeId> rel_terms = relative_terms(score);
   // One of a layout's fields as a function of the load's number k (0 past the loads).
-  const auto field = [&](const std::vector<ColumnLayout>& l, auto member) {
+  const auto field = [&](const std::vector<TileLayout>& l, auto member) {
     std::string s;
     for (size_t k = 0; k < l.size(); ++k) s += fmt::format("k == {} ? {} : ", k, int(l[k].*member));
     return s + "0";
@@ -738,8 +738,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
       grads_read_score, score_cols.size(), tiles.size(),
       tiles_share_heads(score, tiles),
-      field(tile_layout, &ColumnLayout::slot), field(tile_layout, &ColumnLayout::dim),
-      field(tile_layout, &ColumnLayout::type), rel_terms.size());
+      field(tile_layout, &TileLayout::slot), field(tile_layout, &TileLayout::dim),
+      field(tile_layout, &TileLayout::type), rel_terms.size());
 
   const FloatMath math = in.score_math;
   out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);

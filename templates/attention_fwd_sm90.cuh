@@ -244,8 +244,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles. With a
   // head-shared [Q_LEN, KV_LEN] tile load the grid is (heads, q tiles) instead (dsl::LaunchFacts),
   // so that the heads of one q tile, which read the same rows of it, run together; the two then
-  // go through a shuffle, which keeps them in registers: read again from special registers for
-  // the tile loads' row offsets of each kv tile, they cost bias_2d 8-14% at D 128 (docs/perf.md).
+  // go through a shuffle, which keeps them in registers (read again from special registers they
+  // cost bias_2d 8-14% at D 128 before its row pointers were pinned, still 1% after; docs/perf.md).
   constexpr bool kHeadsFirst = FlexcVariant::kScoreTilesShareHeads;
   int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
   if constexpr (kHeadsFirst) {
