@@ -423,11 +423,11 @@ std::string value_hook(const Graph& g, const Decls& decls, std::string_view mark
   return hook(ret, name, params, body);
 }
 
-// Column loads: score_mod's capture loads whose indices read kv_idx but neither q_idx nor the
-// score (a per-key bias), at most kMaxColumnLoads of them, in node order. The Hopper kernel loads
-// them for a whole kv tile ahead of its scores (templates/attention_tile.cuh, ScoreTile::Columns),
-// once per column, while it waits for the tensor cores; then score_mod_cols reads them. (Not for
-// mask_mod: loading a document mask's ids ahead cost 18%, docs/perf.md.)
+// Column loads: a hook's capture loads whose indices read kv_idx but neither q_idx nor the score
+// (score_mod's per-key bias, mask_mod's document id of the key), at most kMaxColumnLoads of each
+// hook's, in node order. The Hopper kernel's loader warps stage them for a whole kv tile in shared
+// memory (templates/attention_tile.cuh, StagedColumns), once per column; score_mod_cols and
+// mask_mod_cols read them from there.
 constexpr size_t kMaxColumnLoads = 2;
 
 std::vector<NodeId> column_loads(const Graph& g) {
@@ -701,6 +701,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
     grads_read_score |= dependencies(cg, ld.derivative).reads(Input::Score);
   const Deps mdeps = dependencies(mask, mask.root);
   const std::vector<NodeId> score_cols = column_loads(score);
+  const std::vector<NodeId> mask_cols = column_loads(mask);
   const std::vector<TileLoad> tiles = tile_loads(score, decls);
   std::vector<NodeId> tile_ids;
   std::vector<TileLayout> tile_layout;
@@ -727,6 +728,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr int kCaptureGradLoads = {};\n"
       "  static constexpr bool kCaptureGradsReadScore = {};\n"
       "  static constexpr int kScoreColumnLoads = {};\n"
+      "  static constexpr int kMaskColumnLoads = {};\n"
       "  static constexpr int kScoreTileLoads = {};\n"
       "  static constexpr bool kScoreTilesShareHeads = {};\n"
       "  __device__ static constexpr int score_tile_slot(int k) {{ return {}; }}\n"
@@ -736,7 +738,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
-      grads_read_score, score_cols.size(), tiles.size(),
+      grads_read_score, score_cols.size(), mask_cols.size(), tiles.size(),
       tiles_share_heads(score, tiles),
       field(tile_layout, &TileLayout::slot), field(tile_layout, &TileLayout::dim),
       field(tile_layout, &TileLayout::type), rel_terms.size());
@@ -746,6 +748,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
   out += value_hook(mask, decls, "mask_mod", FloatMath::Exact, "bool", "mask_mod", kMaskParams);
   out += value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams);
   out += column_loader(score, decls, "score_mod", score_cols, "score_columns");
+  out += column_loader(mask, decls, "mask_mod", mask_cols, "mask_columns");
   out += column_loader(score, decls, "score_mod", tile_ids, "score_tiles");
   out += load_offsets(score, decls, "score_mod", tile_ids, "score_tile_offsets");
   out += rel_terms_hook(score, decls, math, rel_terms);
@@ -754,6 +757,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
   read_from_cv.insert(read_from_cv.end(), rel_terms.begin(), rel_terms.end());
   out += columns_hook(score, decls, "score_mod", math, read_from_cv, "float", "score_mod_cols",
                       kScoreParams);
+  out += columns_hook(mask, decls, "mask_mod", FloatMath::Exact, mask_cols, "bool",
+                      "mask_mod_cols", kMaskParams);
 
   BodyWriter w(cg, decls, "score_mod", math);
   for (const LoadDerivative& ld : loads) {
@@ -772,9 +777,10 @@ std::string emit_cuda_variant(const EmitInput& in) {
 LaunchFacts launch_facts(const EmitInput& in) {
   if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
   const Graph score = simplify(*in.score);
+  const int mask_cols = in.mask ? static_cast<int>(column_loads(simplify(*in.mask)).size()) : 0;
   return {tiles_share_heads(score, tile_loads(score, *in.decls)),
           static_cast<int>(relative_terms(score).size()),
-          static_cast<int>(column_loads(score).size())};
+          static_cast<int>(column_loads(score).size()) + mask_cols};
 }
 
 }  // namespace flexc::dsl

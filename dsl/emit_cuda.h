@@ -45,9 +45,9 @@ struct LaunchFacts {
   // FlexcVariant::kScoreRelTerms: score_mod's terms in kv_idx - q_idx that the forward kernels
   // tabulate per tile in shared memory (their launch adds the bytes).
   int score_rel_terms = 0;
-  // FlexcVariant::kScoreColumnLoads: the loads the Hopper forward kernel stages in shared memory
-  // per kv tile (its launch adds the bytes).
-  int score_column_loads = 0;
+  // FlexcVariant::kScoreColumnLoads + kMaskColumnLoads: the loads the Hopper forward kernel
+  // stages in shared memory per kv tile (its launch adds the bytes).
+  int column_loads = 0;
 };
 LaunchFacts launch_facts(const EmitInput& in);
 

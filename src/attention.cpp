@@ -105,7 +105,7 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
 
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper) {
   const size_t rel = size_t(hopper ? c.threads / 128 - 1 : 1) * 2 * 256 * 4 * facts.score_rel_terms;
-  return rel + (hopper ? size_t(c.stages) * c.block_n * 4 * facts.score_column_loads : 0);
+  return rel + (hopper ? size_t(c.stages) * c.block_n * 4 * facts.column_loads : 0);
 }
 
 // The Hopper kernel loads with TMA, whose descriptors need a positive stride below 2^40 bytes on

@@ -9,7 +9,7 @@
 //   kind) in a ring in shared memory, and loads Q once and then K and V tile by tile with TMA
 //   into wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
 //   completing on a "full" mbarrier; it waits on the stage's "empty" mbarrier before reusing it.
-//   Its warps 1-3 stage score_mod's per-key loads of each tile in shared memory
+//   Its warps 1-3 stage the hooks' per-key loads of each tile in shared memory
 //   (StagedColumns), in stages of their own, so the consumers spend no registers on them.
 //   It gives most of its registers to the consumers.
 // - the consumers, 64 q rows each: per kv tile j a consumer issues S_j = Q.K_j^T and
@@ -74,8 +74,8 @@ constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // t_empty[]
 constexpr int kBarriers = 1 + 7 * kStages;
 constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
-// score_mod's column loads, staged per kv tile in shared memory by the producer's warps 1-3 (the
-// loaders), in stages beside K's and V's: the consumers then hold no registers for them across
+// score_mod's and mask_mod's column loads, staged per kv tile in shared memory by the producer's
+// warps 1-3 (the loaders), in stages beside K's and V's: the consumers then hold no registers for them across
 // their waits (D 64's 160 registers need that).
 constexpr int kLoaders = 96;
 using Staged = flexc_attn::StagedColumns<kBlockN>;
@@ -99,7 +99,7 @@ constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers,
               kRelBarrier = 1 + 2 * kConsumers;
 static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
 
-using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged>;
+using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3>;
 
 struct Smem {
   unsigned q, k, v, t, bars, ring;  // shared-memory addresses
@@ -206,7 +206,7 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
   hand_over(j, kEnd);
 }
 
-// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): score_mod's column loads of each kv tile
+// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): the column loads of each kv tile
 // the producer thread hands over, until it hands over kEnd.
 __device__ __forceinline__ void load_staged(const Smem& sm, const FlexcAttentionParams& p,
                                            const FlexcArgs& args, int h, int b, int tid) {

@@ -236,15 +236,17 @@ struct RelTable {
   }
 };
 
-// score_mod's column loads (flexc_hooks.cuh) of one kv tile, staged in shared memory by loader
-// threads ahead of the scores (the Hopper forward's idle producer warps), so that the threads
-// computing the scores hold no registers for them across their waits (a word per score column
-// and load: 32 registers at 128-wide tiles). A stage holds word k * BLOCK_N + c for key kv0 + c.
+// score_mod's and mask_mod's column loads (flexc_hooks.cuh) of one kv tile, staged in shared
+// memory by loader threads ahead of the scores (the Hopper forward's idle producer warps), so that
+// the threads computing the scores hold no registers for them across their waits (a word per
+// score column and load: 32 registers at 128-wide tiles). A stage holds word k * BLOCK_N + c for
+// key kv0 + c: score_mod's loads k < kScoreCols, then mask_mod's.
 // (Its [Q_LEN, KV_LEN] tile loads were staged the same way, by cp.async: 3-5% slower than the
 // consumers' own loads, docs/perf.md.)
 template <int BLOCK_N>
 struct StagedColumns {
-  static constexpr int kCols = FlexcVariant::kScoreColumnLoads;
+  static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;
+  static constexpr int kCols = kScoreCols + FlexcVariant::kMaskColumnLoads;
   static constexpr int kBytes = kCols * BLOCK_N * 4;
 
   // Loader `tid` of `n` fills the stage at shared address `stage` for the kv tile from kv0
@@ -255,8 +257,10 @@ struct StagedColumns {
 #pragma unroll 1
     for (int c = tid; c < BLOCK_N; c += n) {
       unsigned w[kCols > 0 ? kCols : 1];
-      FlexcVariant::score_columns(args, b, h, 0, min(kv0 + c, p.kv_len - 1), p.q_pos0 + p.q_len,
-                                  p.kv_len, w);
+      const int kv = min(kv0 + c, p.kv_len - 1), q_len = p.q_pos0 + p.q_len;
+      if constexpr (kScoreCols > 0) FlexcVariant::score_columns(args, b, h, 0, kv, q_len, p.kv_len, w);
+      if constexpr (kCols > kScoreCols)
+        FlexcVariant::mask_columns(args, b, h, 0, kv, q_len, p.kv_len, w + kScoreCols);
 #pragma unroll
       for (int k = 0; k < kCols; ++k) flexc_tile::st_shared(stage + 4 * (k * BLOCK_N + c), w[k]);
     }
@@ -281,7 +285,8 @@ struct Unstaged {
 
 // The hooks on a warp's MT x NT fragment tile of scores (layout above), rows along R. STAGED: a
 // StagedColumns whose loads someone else puts in shared memory (Columns::staged says where).
-template <int MT, int NT, Rows R = Rows::Q, class STAGED = Unstaged>
+// TIGHT: registers are short (D 64's three consumers of 160), see apply_mods_at.
+template <int MT, int NT, Rows R = Rows::Q, class STAGED = Unstaged, bool TIGHT = false>
 struct ScoreTile {
   // The hook indices of this thread's scores, clamped into [0, len) as the hooks' contract
   // requires (flexc_hooks.cuh), and whether each row / column is inside its length. Computed
@@ -381,11 +386,12 @@ struct ScoreTile {
   // n8 tile, raw bits; `rel`, the tile's relative terms (RelTable::thread_view), filled by the
   // kernel.
   static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;
+  static constexpr int kMaskCols = FlexcVariant::kMaskColumnLoads;
   static constexpr int kScoreTiles = FlexcVariant::kScoreTileLoads;
   static constexpr int kRelTerms = FlexcVariant::kScoreRelTerms;
   static constexpr int kScoreWords = kScoreCols + kScoreTiles + kRelTerms;
   static constexpr bool kStagedCols = STAGED::kCols > 0;
-  static_assert(!kStagedCols || STAGED::kBytes == kScoreCols * NT * 8 * 4,
+  static_assert(!kStagedCols || STAGED::kBytes == (kScoreCols + kMaskCols) * NT * 8 * 4,
                 "the stages hold every column load of the tile's columns");
   struct Columns {
     unsigned tile[MT][2][NT][kScoreTiles > 0 ? kScoreTiles : 1];
@@ -547,18 +553,38 @@ struct ScoreTile {
             FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
       });
     }
+    // Where registers are TIGHT, the mask and the edge read the columns again, computed anew from
+    // a col0 the compiler cannot see through: a score_mod reading kv_idx would otherwise keep
+    // every column's index, clamped and not, live across its scores (64 registers at 128-wide
+    // tiles: D 64's 192-row tiles spilled under any mask with a per-key float term). Not
+    // elsewhere: it cost prefix_alibi 4-5% at D 128 (docs/perf.md).
+    Idx fresh = idx;
+    if constexpr (TIGHT && !FlexcVariant::kIdentityScore) {
+      int c0 = col0;
+      asm volatile("" : "+r"(c0));
+      fresh.set_cols(c0, R == Rows::Q ? p.kv_len : p.q_len, 0);
+    }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
       if (partial) {
-        for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool in) {
-          const bool keep =
-              in & FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
-          s[i][j][e] = keep ? s[i][j][e] : neg_inf();
+        for_each(fresh, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool in) {
+          bool keep;
+          if constexpr (kMaskCols > 0 && kStagedCols) {
+            unsigned cv[kMaskCols > 0 ? kMaskCols : 1];
+#pragma unroll
+            for (int k = 0; k < kMaskCols; ++k)
+              cv[k] = cols->staged[(kScoreCols + k) * NT * 8 + 8 * j + (e & 1)];
+            keep = FlexcVariant::mask_mod_cols(args, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len,
+                                               cv);
+          } else {
+            keep = FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
+          }
+          s[i][j][e] = in & keep ? s[i][j][e] : neg_inf();
         });
         return;
       }
     }
     if (crosses_edge(row0, col0, p)) {
-      for_each(idx, [&](int i, int j, int e, int, int, int, bool in) {
+      for_each(fresh, [&](int i, int j, int e, int, int, int, bool in) {
         s[i][j][e] = in ? s[i][j][e] : neg_inf();
       });
     }

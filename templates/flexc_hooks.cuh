@@ -16,6 +16,7 @@
 //   static constexpr int kCaptureGradLoads;  // how many of its loads do (0 when none)
 //   static constexpr bool kCaptureGradsReadScore;  // a capture gradient reads the pre-mod score
 //   static constexpr int kScoreColumnLoads;  // column loads (below), 0..2
+//   static constexpr int kMaskColumnLoads;   // mask_mod's, 0..2
 //
 //   __device__ static float score_mod(const FlexcArgs& a, float score, int b, int h,
 //                                     int q_idx, int kv_idx, int q_len, int kv_len);
@@ -42,6 +43,9 @@
 //                                        int kv_idx, int q_len, int kv_len, unsigned* cv);
 //   __device__ static void score_tiles(/* the same */);  // one element's tile loads
 //   __device__ static float score_mod_cols(/* score_mod's parameters */, const unsigned* cv);
+//   // mask_mod's column loads (a document mask's doc[kv_idx]), likewise:
+//   __device__ static void mask_columns(/* score_columns' parameters */);
+//   __device__ static bool mask_mod_cols(/* mask_mod's parameters */, const unsigned* cv);
 //   // For every tile load: load k's capture slot, its kv dim, its element type (1 bf16, 2
 //   // fp16), and its element offsets (at kv_idx = 0, the kernels add the key), so that a kernel
 //   // loads adjacent keys together.

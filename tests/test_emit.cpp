@@ -105,6 +105,15 @@ TEST_CASE("score_mod's loads indexed by kv_idx alone are column loads", "[emit]"
     INFO(mod);
     CHECK(has(emit(parse(mod, "true", d)), "kScoreColumnLoads = 1;"));
   }
+  // mask_mod's per-key loads too (a document mask's doc[kv_idx]); doc[q_idx] is not one.
+  const std::string doc = emit(parse("score", "doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx", d));
+  CHECK(has(doc, "kScoreColumnLoads = 0;"));
+  CHECK(has(doc, "kMaskColumnLoads = 1;"));
+  CHECK(has(doc, "__forceinline__ bool mask_mod_cols("));
+  CHECK(has(doc, "(int)cv[0]"));
+  CHECK(has(emit(parse("score", "doc[q_idx] == 1", d)), "kMaskColumnLoads = 0;"));
+  CHECK(has(emit(parse("score + kvb[h, kv_idx]", "doc[kv_idx] < h && tab[kv_idx] > 0.0", d)),
+            "kMaskColumnLoads = 2;"));
 }
 
 TEST_CASE("score_mod's 16-bit loads indexed by q_idx and kv_idx itself are tile loads", "[emit]") {
