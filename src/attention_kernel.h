@@ -40,6 +40,12 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m = 0);
 // load (the staged column loads). At most 14 KiB, which every configuration above leaves room
 // for (templates/attention_fwd_sm90.cuh asserts it).
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper);
+
+// Whether the Hopper forward kernel of configuration `c` runs persistent (a CTA per SM looping
+// over the `items` work items) rather than a CTA per item: short sequences at 128-row tiles,
+// where a CTA's prologue and epilogue weigh.
+bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int64_t kv_len,
+                         int64_t items, int sms);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 

@@ -23,7 +23,8 @@
 // FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
 // FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows; 192 at D 64: three), FLEXC_BLOCK_N
 // (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
-// and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2).
+// and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
+// (1: a CTA per SM looping over work items, Items; 0: a CTA per item).
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"
@@ -38,6 +39,7 @@ constexpr bool kBf16 = FLEXC_BF16 != 0;
 constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
+constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr int kConsumers = kBlockM / 64;
 constexpr int kThreads = 128 * (1 + kConsumers);  // the host launches as many
 constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
@@ -71,17 +73,22 @@ constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // loads' kv indices and the relative-term tables (src/attention.cpp adds the staged loads' and
 // the tables' bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the dynamic base.
 // q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[], t_full[],
-// t_empty[]
-constexpr int kBarriers = 1 + 7 * kStages;
-constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
+// t_empty[], then q_empty.
+constexpr int kBarriers = 2 + 7 * kStages;
+// O is staged apart from Q where both fit (head dims up to 128), so that a CTA's next Q loads
+// while it stores the last output; over Q's bytes otherwise (then the next Q waits for the store).
+constexpr bool kSeparateO = kD <= 128 && kDv <= 128;
+constexpr int kQBytes = kSeparateO || QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
+constexpr int kOBytes = kSeparateO ? OTile::kBytes : 0;
 // score_mod's and mask_mod's column loads, staged per kv tile in shared memory by the producer's
 // warps 1-3 (the loaders), in stages beside K's and V's: the consumers then hold no registers for them across
 // their waits (D 64's 160 registers need that).
 constexpr int kLoaders = 96;
 using Staged = flexc_attn::StagedColumns<kBlockN>;
 constexpr bool kStaging = Staged::kBytes > 0;
-constexpr int kSmemBytes = kQBytes + kStages * (KTile::kBytes + VTile::kBytes + Staged::kBytes) +
-                           8 * kBarriers + 4 * kRing + 4 * kStages + kConsumers * kRelBytes;
+constexpr int kSmemBytes = kQBytes + kOBytes +
+                           kStages * (KTile::kBytes + VTile::kBytes + Staged::kBytes) +
+                           8 * kBarriers + 4 * kRing + 8 * kStages + 16 + kConsumers * kRelBytes;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
 // setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
 // must be covered by what the producer releases, or it waits forever (FlashAttention-3's split).
@@ -102,7 +109,7 @@ static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
 using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3>;
 
 struct Smem {
-  unsigned q, k, v, t, bars, ring;  // shared-memory addresses
+  unsigned q, o, k, v, t, bars, ring;  // shared-memory addresses
   __device__ __forceinline__ unsigned k_tile(int s) const { return k + s * KTile::kBytes; }
   __device__ __forceinline__ unsigned v_tile(int s) const { return v + s * VTile::kBytes; }
   __device__ __forceinline__ unsigned q_full() const { return bars; }
@@ -117,6 +124,56 @@ struct Smem {
   __device__ __forceinline__ unsigned t_empty(int s) const { return bars + 8 * (1 + 6 * kStages + s); }
   __device__ __forceinline__ unsigned t_tile(int s) const { return t + s * Staged::kBytes; }
   __device__ __forceinline__ unsigned staged_kv(int s) const { return ring + 4 * (kRing + s); }
+  __device__ __forceinline__ unsigned staged_head(int s) const {
+    return ring + 4 * (kRing + kStages + s);
+  }
+  // The current work item (its q tile, head, batch; kEnd: none is left), published with its Q.
+  __device__ __forceinline__ unsigned item() const { return ring + 4 * (kRing + 2 * kStages); }
+  // Q's rows no longer read (nor O's staging over them): the next work item's Q may load.
+  __device__ __forceinline__ unsigned q_empty() const { return bars + 8 * (1 + 7 * kStages); }
+  __device__ __forceinline__ unsigned tables() const { return item() + 16; }
+};
+
+// Work items: one per (q tile, query head, batch).
+struct Item {
+  int m_block, h, b;
+};
+// A CTA per item: heaviest q tiles first (under a causal mask the last ones visit the most kv
+// tiles). With a head-shared [Q_LEN, KV_LEN] tile load the grid is (heads, q tiles) instead
+// (dsl::LaunchFacts), so that the heads of one q tile, which read the same rows of it, run
+// together. The values go through a shuffle, which keeps them warp-uniform in registers (read
+// again from special registers they cost bias_2d 8-14% at D 128 before its row pointers were
+// pinned, 1% after; docs/perf.md).
+__device__ __forceinline__ Item cta_item() {
+  int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
+  if constexpr (FlexcVariant::kScoreTilesShareHeads) {
+    m_block = __shfl_sync(0xffffffffu, int(gridDim.y - 1 - blockIdx.y), 0);
+    h = __shfl_sync(0xffffffffu, int(blockIdx.x), 0);
+  }
+  return {m_block, h, int(blockIdx.z)};
+}
+// kPersistent (short sequences: the host decides): a CTA per SM loops over items, overlapping
+// an item's output with the next one's loads. Items are numbered in the launch order of the
+// CTA-per-item grid (a head's q tiles together: the CTAs running at once share K and V in L2);
+// in round r the CTAs take items r * gridDim.x + c, c = blockIdx.x in even rounds and
+// gridDim.x - 1 - blockIdx.x in odd ones, which mixes heavy and light q tiles in each CTA's share
+// (with plain striding, a grid that is a multiple of the q tiles gives a CTA one q tile only).
+// Its producer thread decodes them and publishes each beside its Q (Smem::item).
+struct Items {
+  int q_tiles, heads, total;
+  __device__ __forceinline__ explicit Items(const FlexcAttentionParams& p)
+      : q_tiles((p.q_len + kBlockM - 1) / kBlockM), heads(p.q_heads) {
+    total = q_tiles * heads * p.batch;
+  }
+  // The CTA's item of round r (>= total: the CTA has no more).
+  __device__ __forceinline__ int of_round(int r) const {
+    return r * int(gridDim.x) + (r & 1 ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x));
+  }
+  __device__ __forceinline__ Item at(int i) const {
+    if constexpr (FlexcVariant::kScoreTilesShareHeads)
+      return {q_tiles - 1 - (i / heads) % q_tiles, i % heads, i / (heads * q_tiles)};
+    return {q_tiles - 1 - i % q_tiles, (i / q_tiles) % heads, i / (q_tiles * heads)};
+  }
 };
 
 // A tile of `Tile::kRows` rows from `row0` of head h, batch b, one TMA box per 64-column panel.
@@ -154,14 +211,36 @@ __device__ __forceinline__ void pack_p(const float (&s)[kNT][4], unsigned (&pa)[
   for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<kBf16>(s, kk, pa[kk]);
 }
 
-// Warpgroup 0's thread 0: the schedule and the TMA loads. Stage s of round r (tile j = r * kStages
-// + s) is reused once every consumer released round r - 1. With staged loads it also hands each
-// stage's kv index (kEnd after the last) to the loaders once the consumers released the stage.
+// Consumers whose rows start inside q_len (all but in the last q tile).
+__device__ __forceinline__ int active_consumers(const FlexcAttentionParams& p, int q0) {
+  return min(kConsumers, (p.q_len - q0 + 63) / 64);
+}
+
+// The loaders' stage of tile j, free once the consumers read it (before they release V's): the
+// tile's first kv index and its batch and head (b << 16 | h), or kEnd after the CTA's last tile.
+__device__ __forceinline__ void hand_over(const Smem& sm, int j, unsigned kv, unsigned bh) {
+  if constexpr (kStaging) {
+    const int s = j % kStages;
+    mbar_wait(sm.t_empty(s), ((j / kStages) & 1) ^ 1);
+    st_shared(sm.staged_kv(s), kv);
+    st_shared(sm.staged_head(s), bh);
+    mbar_arrive(sm.t_go(s));
+  }
+}
+
+// Warpgroup 0's thread 0: the schedule and the TMA loads of the CTA's k-th work item. Stage s of
+// round r (tile j = r * kStages + s, counted over the CTA's items) is reused once every consumer
+// released round r - 1. The ring holds a word per tile and one (kEnd) per item: tile j's is word
+// j + k. The item and its Q are published once the consumers are done with the last one's Q
+// (q_empty). With staged loads it also hands each stage's kv index, batch and head to the
+// loaders once the consumers released the stage.
 __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
                                         const FlexcTensorMap& tq, const FlexcTensorMap& tk,
                                         const FlexcTensorMap& tv, const FlexcBlockMask& bm,
-                                        const FlexcAttentionParams& p, int q0, int active, int h,
-                                        int h_kv, int b) {
+                                        const FlexcAttentionParams& p, const Item& it, int k,
+                                        int& j) {
+  const int h = it.h, b = it.b, q0 = it.m_block * kBlockM, active = active_consumers(p, q0);
+  const int h_kv = h / (p.q_heads / p.kv_heads);
   // The BlockMask rows of the first and the last active consumer.
   flexc_attn::KvUnion<kBlockN> tiles(bm, b, h, q0, q0 + 64 * (active - 1), p.kv_len);
   // Which of the two rows' kinds each consumer takes (bit c set: the second row's).
@@ -171,51 +250,54 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
       if ((q0 + 64 * c) / bm.q_tile != q0 / bm.q_tile) second |= 1u << c;
   auto word = [&](int kv0, unsigned kinds) {
     if (kv0 < 0) return kEnd;
-    unsigned w = unsigned(kv0);
+    unsigned x = unsigned(kv0);
 #pragma unroll
     for (int c = 0; c < kConsumers; ++c)
-      if (c < active) w |= ((kinds >> ((second >> c) & 1 ? 2 : 0)) & 3u) << (2 * c);
-    return w;
+      if (c < active) x |= ((kinds >> ((second >> c) & 1 ? 2 : 0)) & 3u) << (2 * c);
+    return x;
   };
   unsigned kinds = 0;
   int kv0 = tiles.next(bm, p.kv_len, kinds);
-  ring[0] = word(kv0, kinds);
-  load_tile<QTile>(sm.q, tq, q0, h, b, sm.q_full());
-  // The loaders' stage s, free once the consumers read it (before they release V's).
-  auto hand_over = [&](int j, unsigned kv) {
-    if constexpr (kStaging) {
-      const int s = j % kStages;
-      mbar_wait(sm.t_empty(s), ((j / kStages) & 1) ^ 1);
-      st_shared(sm.staged_kv(s), kv);
-      mbar_arrive(sm.t_go(s));
+  // The item's first word and its Q (a persistent CTA's after its first K, which may load while
+  // the consumers finish the last item).
+  const unsigned first = word(kv0, kinds);
+  auto publish = [&] {
+    if (k > 0) mbar_wait(sm.q_empty(), (k - 1) & 1);
+    ring[(j + k) % kRing] = first;
+    if constexpr (kPersistent) {
+      st_shared(sm.item(), unsigned(it.m_block));
+      st_shared(sm.item() + 4, unsigned(h));
+      st_shared(sm.item() + 8, unsigned(b));
     }
+    load_tile<QTile>(sm.q, tq, q0, h, b, sm.q_full());
   };
-  int j = 0;
-  for (; kv0 >= 0; ++j) {
+  if (!kPersistent || kv0 < 0) publish();
+  for (bool published = !kPersistent || kv0 < 0; kv0 >= 0; ++j) {
     const int s = j % kStages;
     const unsigned empty_parity = ((j / kStages) & 1) ^ 1;
     const int next = tiles.next(bm, p.kv_len, kinds);
     mbar_wait(sm.k_empty(s), empty_parity);
-    ring[(j + 1) % kRing] = word(next, kinds);
+    ring[(j + 1 + k) % kRing] = word(next, kinds);
     load_tile<KTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
-    hand_over(j, unsigned(kv0));
+    if (!published) publish(), published = true;
+    hand_over(sm, j, unsigned(kv0), unsigned(b) << 16 | unsigned(h));
     mbar_wait(sm.v_empty(s), empty_parity);
     load_tile<VTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
     kv0 = next;
   }
-  hand_over(j, kEnd);
 }
 
-// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): the column loads of each kv tile
-// the producer thread hands over, until it hands over kEnd.
+// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): the column loads of each kv tile the
+// producer thread hands over, until it hands over kEnd.
 __device__ __forceinline__ void load_staged(const Smem& sm, const FlexcAttentionParams& p,
-                                           const FlexcArgs& args, int h, int b, int tid) {
+                                           const FlexcArgs& args, int tid) {
   for (int j = 0;; ++j) {
     const int s = j % kStages;
     mbar_wait(sm.t_go(s), (j / kStages) & 1);
     const unsigned kv0 = ld_shared_volatile(sm.staged_kv(s));
     if (kv0 == kEnd) break;
-    Staged::load(sm.t_tile(s), p, args, b, h, int(kv0), tid, kLoaders);
+    const unsigned bh = ld_shared_volatile(sm.staged_head(s));
+    Staged::load(sm.t_tile(s), p, args, int(bh >> 16), int(bh & 0xffffu), int(kv0), tid, kLoaders);
     mbar_arrive(sm.t_full(s));
   }
 }
@@ -233,32 +315,16 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   const unsigned raw = smem_addr(smem_raw);
   Smem sm;
   sm.q = (raw + 1023) & ~1023u;
-  sm.k = sm.q + kQBytes;
+  sm.o = sm.q + (kSeparateO ? kQBytes : 0);
+  sm.k = sm.q + kQBytes + kOBytes;
   sm.v = sm.k + kStages * KTile::kBytes;
   sm.t = sm.v + kStages * VTile::kBytes;
   sm.bars = sm.t + kStages * Staged::kBytes;
   sm.ring = sm.bars + 8 * kBarriers;
   unsigned char* q_smem = smem_raw + (sm.q - raw);  // the aligned base
   volatile unsigned* ring = reinterpret_cast<volatile unsigned*>(q_smem + (sm.ring - sm.q));
-
-  // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles. With a
-  // head-shared [Q_LEN, KV_LEN] tile load the grid is (heads, q tiles) instead (dsl::LaunchFacts),
-  // so that the heads of one q tile, which read the same rows of it, run together; the two then
-  // go through a shuffle, which keeps them in registers (read again from special registers they
-  // cost bias_2d 8-14% at D 128 before its row pointers were pinned, still 1% after; docs/perf.md).
-  constexpr bool kHeadsFirst = FlexcVariant::kScoreTilesShareHeads;
-  int m_block = gridDim.x - 1 - blockIdx.x, h = blockIdx.y;
-  if constexpr (kHeadsFirst) {
-    m_block = __shfl_sync(0xffffffffu, int(gridDim.y - 1 - blockIdx.y), 0);
-    h = __shfl_sync(0xffffffffu, int(blockIdx.x), 0);
-  }
-  const int b = blockIdx.z;
-  const int h_kv = h / (p.q_heads / p.kv_heads);
-  const int q0 = m_block * kBlockM;
   // Warp-uniform to the compiler too (a shuffle from lane 0), so role branches stay uniform.
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
-  // Consumers whose rows start inside q_len (all but in the last q tile).
-  const int active = min(kConsumers, (p.q_len - q0 + 63) / 64);
 
   if (threadIdx.x == 0) {
     // The host sizes shared memory by this file's rule (src/attention.cpp, fwd_hook_bytes): were
@@ -267,6 +333,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
     if (given < sm.q - raw + kSmemBytes) __trap();
     mbar_init(sm.q_full(), 1);
+    mbar_init(sm.q_empty(), 128 * kConsumers);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.k_full(s), 1);
       mbar_init(sm.v_full(s), 1);
@@ -286,9 +353,23 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     regs_dec<kProducerRegs>();
     const int pw = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 32, 0);
     if (pw == 0) {
-      if (threadIdx.x == 0) produce(sm, ring, tq, tk, tv, bm, p, q0, active, h, h_kv, b);
+      if (threadIdx.x == 0) {
+        int j = 0, k = 0;  // tiles and items so far
+        if constexpr (kPersistent) {
+          const Items items(p);
+          for (int i = items.of_round(0); i < items.total; i = items.of_round(k + 1), ++k)
+            produce(sm, ring, tq, tk, tv, bm, p, items.at(i), k, j);
+          // No item is left: the consumers stop at it.
+          if (k > 0) mbar_wait(sm.q_empty(), (k - 1) & 1);
+          st_shared(sm.item(), kEnd);
+          mbar_arrive(sm.q_full());
+        } else {
+          produce(sm, ring, tq, tk, tv, bm, p, cta_item(), k, j);
+        }
+        hand_over(sm, j, kEnd, 0);
+      }
     } else if (kStaging) {
-      load_staged(sm, p, args, h, b, int(threadIdx.x) - 32);
+      load_staged(sm, p, args, int(threadIdx.x) - 32);
     }
     return;
   }
@@ -296,163 +377,194 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   const int cw = wg - 1;                                     // consumer 0, 1 (or 2)
   const int q_rows = cw * 64;                                // its first row in the Q tile
   const int warp = (static_cast<int>(threadIdx.x) >> 5) - 4;  // warp among the consumers
-  const int row0 = q0 + warp * 16;                           // this warp's first query row
-
-  float o[1][kDT][4];  // one row tile per warp: the shape OnlineSoftmax and store_rows take
-  float s[1][kNT][4];
-  unsigned pa[kNT / 2][4];
-  zero_fragments(o);
-  OnlineSoftmax<1, kNT> softmax;
-  softmax.init();
   const float to_log2 = flexc_attn::units_log2(p);
-
-  mbar_wait(sm.q_full(), 0);
-  unsigned word = ring[0];  // tile 0's (kEnd: no tile)
-  // Round robin: consumer c issues its products after consumer c - 1 issued its own. The last
-  // consumer lets consumer 0 go first and skips its last hand-over, so every barrier phase that
-  // is started is completed before the CTA exits. All visit the same tiles.
+  // Round robin: consumer c issues its products after consumer c - 1 issued its own. Per work
+  // item, the last consumer lets consumer 0 go first and skips its last hand-over, so every
+  // barrier phase that is started is completed before the next item (and the CTA's exit). All
+  // visit the same tiles.
   auto take_turn = [&] { named_sync(kTurnBarrier + cw, 256); };
   auto pass_turn = [&](bool last) {
     if (!(cw == kConsumers - 1 && last))
       named_arrive(kTurnBarrier + (cw + 1 == kConsumers ? 0 : cw + 1), 256);
   };
-  if (cw == kConsumers - 1 && word != kEnd) named_arrive(kTurnBarrier, 256);
-  if (cw >= active) {
-    // Rows past q_len (the last q tile's): nothing to compute, but the turns and the stages'
-    // releases go on. The turns order each release after the previous phase's.
-    for (int j = 0; word != kEnd; ++j) {
-      const int st = j % kStages;
-      mbar_wait(sm.k_full(st), (j / kStages) & 1);
-      word = ring[(j + 1) % kRing];
-      take_turn();
-      pass_turn(word == kEnd);
-      mbar_arrive(sm.k_empty(st));
-      if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
-      mbar_arrive(sm.v_empty(st));
-    }
-    return;
-  }
   // The current tile's first kv index and its kind for this consumer's rows: with three
   // consumers over two BlockMask rows a tile may be empty for some (kMayBeEmpty), which then
   // skip its loads and mask its scores whole.
   constexpr bool kMayBeEmpty = kConsumers > 2;
-  int kv0 = 0;
-  unsigned kind = flexc_attn::kTileEmpty;
-  auto read_word = [&] {
-    kv0 = int(word & ~kKindMask);
-    kind = (word >> (2 * cw)) & 3u;
-  };
-  // score_mod's tile loads (a [Q_LEN, KV_LEN] bias) of the current tile, issued before this
-  // consumer waits for its turn and for S: the wait hides their latency. The rows' pointers are
-  // the q tile's, pinned in registers.
-  typename Scores::Columns cols;
-  typename Scores::TileRows tile_rows = Scores::tile_rows(p, args, b, h, row0);
-  auto load_columns = [&] {
-    tile_rows.pin();
-    if (!(kMayBeEmpty && kind == flexc_attn::kTileEmpty))
-      Scores::load_columns(cols, tile_rows, p, args, b, h, row0, kv0);
-  };
-  // Its relative terms, tabulated by the consumer's 128 threads while Q.K^T runs (ahead of the
-  // wait, T5's cost 3% more, docs/perf.md), into the table of tile j's parity; the barrier orders
-  // the writes before every thread's reads, and those before the writes of tile j + 2. A tile
-  // empty here reads the last table (its scores are masked whatever they read).
-  unsigned* const tables =
-      reinterpret_cast<unsigned*>(q_smem + (sm.ring + 4 * (kRing + kStages) - sm.q));
-  cols.rel = RelTable::thread_view(tables + cw * 2 * RelTable::kWords, (warp & 3) * 16);
-  auto fill_rel_table = [&](int j) {
-    if constexpr (RelTable::kTerms > 0) {
-      if (kMayBeEmpty && kind == flexc_attn::kTileEmpty) return;
-      unsigned* table = tables + (cw * 2 + (j & 1)) * RelTable::kWords;
-      RelTable::fill(table, args, b, h, q0 + q_rows + p.q_pos0, kv0, Scores::hook_q_len(p),
-                     p.kv_len, threadIdx.x & 127, 128);
-      named_sync(kRelBarrier + cw, 128);
-      cols.rel = RelTable::thread_view(table, (warp & 3) * 16);
-    }
-  };
-  // Hooks and softmax of tile j (stage st) in s (left as probabilities); whether O must be
-  // rescaled. A tile empty for these rows contributes nothing (a select, not a branch: ptxas
-  // keeps two copies of s across a branch that writes it, and spills). Its staged loads are
-  // read here, and released.
-  auto softmax_tile = [&](int j, int st, float (&alpha)[1][2]) {
-    if constexpr (kStaging) {
-      mbar_wait(sm.t_full(st), (j / kStages) & 1);
-      cols.staged = Staged::view(q_smem + (sm.t_tile(st) - sm.q));
-    }
-    Scores::apply_mods(s, p, args, b, h, row0, kv0, kind == flexc_attn::kTilePartial, &cols);
-    if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
-    if constexpr (kMayBeEmpty) {
-      const bool empty = kind == flexc_attn::kTileEmpty;
-#pragma unroll
-      for (int jj = 0; jj < kNT; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][jj][e] = empty ? flexc_attn::neg_inf() : s[0][jj][e];
-    }
-    return softmax.step(s, to_log2, alpha);
-  };
+  // score_mod's relative-term tables: see fill_rel_table.
+  unsigned* const tables = reinterpret_cast<unsigned*>(q_smem + (sm.tables() - sm.q));
 
-  // Tile 0 has no P.V to overlap: peeled, so that in the loop every issue has its wait on every
-  // path (ptxas serializes wgmmas when it cannot prove that).
-  int j = 0;
-  if (word != kEnd) {
-    read_word();
-    load_columns();
-    mbar_wait(sm.k_full(0), 0);
-    word = ring[1];  // published before K_0 arrived; read before the turn, which waits anyway
-    take_turn();
-    wgmma_fence();
-    issue_qk(s[0], sm.q, q_rows, sm.k_tile(0));
-    pass_turn(word == kEnd);
-    fill_rel_table(0);
-    wgmma_wait<0>();
-    fence_regs(s[0]);
-    mbar_arrive(sm.k_empty(0));
-    float alpha[1][2];
-    softmax_tile(0, 0, alpha);  // O is still 0: nothing to rescale
-    pack_p(s[0], pa);
-    j = 1;
-  }
-  for (; word != kEnd; ++j) {
-    const int st = j % kStages, prev = (j - 1) % kStages;
-    read_word();
-    load_columns();
-    mbar_wait(sm.k_full(st), (j / kStages) & 1);
-    word = ring[(j + 1) % kRing];
-    mbar_wait(sm.v_full(prev), ((j - 1) / kStages) & 1);
-    take_turn();
-    fence_regs(pa);
-    fence_regs(o[0]);
-    wgmma_fence();
-    issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
-    issue_pv(o[0], pa, sm.v_tile(prev));
-    pass_turn(word == kEnd);
-    fill_rel_table(j);
-    wgmma_wait<1>();  // S_j; P_{j-1}.V_{j-1} may still run
-    fence_regs(s[0]);
-    mbar_arrive(sm.k_empty(st));
-    float alpha[1][2];
-    const bool rescale = softmax_tile(j, st, alpha);
-    wgmma_wait<0>();  // P_{j-1}.V_{j-1}
-    fence_regs(o[0]);
-    mbar_arrive(sm.v_empty(prev));
-    if (rescale) softmax.rescale(o, alpha);
-    // Packed only now: registers a running wgmma reads must not change (ptxas would serialize
-    // every wgmma to protect them).
-    pack_p(s[0], pa);
-  }
-  if (j > 0) {
-    const int last = (j - 1) % kStages;
-    mbar_wait(sm.v_full(last), ((j - 1) / kStages) & 1);
-    fence_regs(pa);
-    fence_regs(o[0]);
-    wgmma_fence();
-    issue_pv(o[0], pa, sm.v_tile(last));
-    wgmma_wait<0>();
-    fence_regs(o[0]);
-  }
-  // The warpgroup's wgmma reads of its Q rows are over before any of its warps overwrites them.
-  named_sync(kEpilogueBarrier + cw, 128);
+  // Tiles and items so far, as the producer counts them: tile j's ring word is j + k.
+  for (int j = 0, k = 0;; ++k) {
+    if (!kPersistent && k > 0) break;
+    mbar_wait(sm.q_full(), k & 1);
+    Item it;
+    if constexpr (kPersistent) {
+      it.m_block = int(ld_shared_volatile(sm.item()));
+      if (unsigned(it.m_block) == kEnd) break;
+      it.h = int(ld_shared_volatile(sm.item() + 4));
+      it.b = int(ld_shared_volatile(sm.item() + 8));
+    } else {
+      it = cta_item();
+    }
+    const int h = it.h, b = it.b, q0 = it.m_block * kBlockM;
+    const int active = active_consumers(p, q0);
+    const int row0 = q0 + warp * 16;  // this warp's first query row
 
-  float inv_sum[1][2], lse[1][2];
-  softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
-  flexc_attn::store_rows<OTile, kBf16>(o, inv_sum, lse, q_smem, warp * 16, p, b, h, row0);
+    unsigned word = ring[(j + k) % kRing];  // the item's first tile's (kEnd: no tile)
+    auto next_word = [&] { return ring[(j + 1 + k) % kRing]; };  // tile j + 1's
+    if (cw == kConsumers - 1 && word != kEnd) named_arrive(kTurnBarrier, 256);
+    if (cw >= active) {
+      // Rows past q_len (the last q tile's): nothing to compute, but the turns and the stages'
+      // releases go on. The turns order each release after the previous phase's.
+      for (; word != kEnd; ++j) {
+        const int st = j % kStages;
+        mbar_wait(sm.k_full(st), (j / kStages) & 1);
+        word = next_word();
+        take_turn();
+        pass_turn(word == kEnd);
+        mbar_arrive(sm.k_empty(st));
+        if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
+        mbar_arrive(sm.v_empty(st));
+      }
+      mbar_arrive(sm.q_empty());
+      continue;
+    }
+
+    float o[1][kDT][4];  // one row tile per warp: the shape OnlineSoftmax and store_rows take
+    float s[1][kNT][4];
+    unsigned pa[kNT / 2][4];
+    zero_fragments(o);
+    OnlineSoftmax<1, kNT> softmax;
+    softmax.init();
+    int kv0 = 0;
+    unsigned kind = flexc_attn::kTileEmpty;
+    auto read_word = [&] {
+      kv0 = int(word & ~kKindMask);
+      kind = (word >> (2 * cw)) & 3u;
+    };
+    // score_mod's tile loads (a [Q_LEN, KV_LEN] bias) of the current tile, issued before this
+    // consumer waits for its turn and for S: the wait hides their latency. The rows' pointers
+    // are the q tile's, pinned in registers.
+    typename Scores::Columns cols;
+    typename Scores::TileRows tile_rows = Scores::tile_rows(p, args, b, h, row0);
+    auto load_columns = [&] {
+      tile_rows.pin();
+      if (!(kMayBeEmpty && kind == flexc_attn::kTileEmpty))
+        Scores::load_columns(cols, tile_rows, p, args, b, h, row0, kv0);
+    };
+    // Its relative terms, tabulated by the consumer's 128 threads while Q.K^T runs (ahead of the
+    // wait, T5's cost 3% more, docs/perf.md), into the table of tile j's parity; the barrier
+    // orders the writes before every thread's reads, and those before the writes of tile j + 2.
+    // A tile empty here reads the last table (its scores are masked whatever they read).
+    cols.rel = RelTable::thread_view(tables + cw * 2 * RelTable::kWords, (warp & 3) * 16);
+    auto fill_rel_table = [&](int jt) {
+      if constexpr (RelTable::kTerms > 0) {
+        if (kMayBeEmpty && kind == flexc_attn::kTileEmpty) return;
+        unsigned* table = tables + (cw * 2 + (jt & 1)) * RelTable::kWords;
+        RelTable::fill(table, args, b, h, q0 + q_rows + p.q_pos0, kv0, Scores::hook_q_len(p),
+                       p.kv_len, threadIdx.x & 127, 128);
+        named_sync(kRelBarrier + cw, 128);
+        cols.rel = RelTable::thread_view(table, (warp & 3) * 16);
+      }
+    };
+    // Hooks and softmax of tile jt (stage st) in s (left as probabilities); whether O must be
+    // rescaled. A tile empty for these rows contributes nothing (a select, not a branch: ptxas
+    // keeps two copies of s across a branch that writes it, and spills). Its staged loads are
+    // read here, and released.
+    auto softmax_tile = [&](int jt, int st, float (&alpha)[1][2]) {
+      if constexpr (kStaging) {
+        mbar_wait(sm.t_full(st), (jt / kStages) & 1);
+        cols.staged = Staged::view(q_smem + (sm.t_tile(st) - sm.q));
+      }
+      Scores::apply_mods(s, p, args, b, h, row0, kv0, kind == flexc_attn::kTilePartial, &cols);
+      if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
+      if constexpr (kMayBeEmpty) {
+        const bool empty = kind == flexc_attn::kTileEmpty;
+#pragma unroll
+        for (int jj = 0; jj < kNT; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][jj][e] = empty ? flexc_attn::neg_inf() : s[0][jj][e];
+      }
+      return softmax.step(s, to_log2, alpha);
+    };
+
+    // The item's first tile has no P.V to overlap: peeled, so that in the loop every issue has
+    // its wait on every path (ptxas serializes wgmmas when it cannot prove that).
+    const int j0 = j;
+    if (word != kEnd) {
+      const int st = j % kStages;
+      read_word();
+      load_columns();
+      mbar_wait(sm.k_full(st), (j / kStages) & 1);
+      word = next_word();  // published before K_j arrived; read before the turn, which waits anyway
+      take_turn();
+      wgmma_fence();
+      issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+      pass_turn(word == kEnd);
+      fill_rel_table(j);
+      wgmma_wait<0>();
+      fence_regs(s[0]);
+      mbar_arrive(sm.k_empty(st));
+      float alpha[1][2];
+      softmax_tile(j, st, alpha);  // O is still 0: nothing to rescale
+      pack_p(s[0], pa);
+      ++j;
+    }
+    for (; word != kEnd; ++j) {
+      const int st = j % kStages, prev = (j - 1) % kStages;
+      read_word();
+      load_columns();
+      mbar_wait(sm.k_full(st), (j / kStages) & 1);
+      word = next_word();
+      mbar_wait(sm.v_full(prev), ((j - 1) / kStages) & 1);
+      take_turn();
+      fence_regs(pa);
+      fence_regs(o[0]);
+      wgmma_fence();
+      issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+      issue_pv(o[0], pa, sm.v_tile(prev));
+      pass_turn(word == kEnd);
+      fill_rel_table(j);
+      wgmma_wait<1>();  // S_j; P_{j-1}.V_{j-1} may still run
+      fence_regs(s[0]);
+      mbar_arrive(sm.k_empty(st));
+      float alpha[1][2];
+      const bool rescale = softmax_tile(j, st, alpha);
+      wgmma_wait<0>();  // P_{j-1}.V_{j-1}
+      fence_regs(o[0]);
+      mbar_arrive(sm.v_empty(prev));
+      if (rescale) softmax.rescale(o, alpha);
+      // Packed only now: registers a running wgmma reads must not change (ptxas would serialize
+      // every wgmma to protect them).
+      pack_p(s[0], pa);
+    }
+    // Q's last reader (Q.K^T) is done: the next item's Q may load while this one finishes.
+    if constexpr (kSeparateO) mbar_arrive(sm.q_empty());
+    if (j > j0) {
+      const int last = (j - 1) % kStages;
+      mbar_wait(sm.v_full(last), ((j - 1) / kStages) & 1);
+      fence_regs(pa);
+      fence_regs(o[0]);
+      wgmma_fence();
+      issue_pv(o[0], pa, sm.v_tile(last));
+      wgmma_wait<0>();
+      fence_regs(o[0]);
+      mbar_arrive(sm.v_empty(last));
+    }
+    float inv_sum[1][2], lse[1][2];
+    softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
+    if constexpr (kSeparateO) {
+      __syncwarp();  // the warp's reads of its rows of the last item's O are done
+      flexc_attn::store_rows<OTile, kBf16>(o, inv_sum, lse, q_smem + (sm.o - sm.q), warp * 16, p,
+                                           b, h, row0);
+    } else {
+      // The warpgroup's wgmma reads of its Q rows are over before any of its warps overwrites
+      // them; its writes reach the next Q's TMA load (the async proxy) before it is issued.
+      named_sync(kEpilogueBarrier + cw, 128);
+      flexc_attn::store_rows<OTile, kBf16>(o, inv_sum, lse, q_smem, warp * 16, p, b, h, row0);
+      fence_proxy_async();
+      mbar_arrive(sm.q_empty());
+    }
+  }
 }

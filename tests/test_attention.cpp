@@ -526,6 +526,17 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(t({1, 1, rows, 64}), TensorView{k.data, k.dtype, {1, 1, 32, 64}, {}},
                  TensorView{out.data, out.dtype, {1, 1, rows, 64}, {}}, o, &bias_2d),
              Contains("at most 65535 q tiles of 128 rows; Q_LEN 8388481 is more"));
+  // Short sequences with more work items than SMs take the persistent kernel; long ones, too
+  // few items, or D 64's 192-row tiles, a CTA per item.
+  const detail::TileConfig d128 = detail::fwd_config_sm90(128, 128);
+  CHECK(detail::fwd_sm90_persistent(d128, 128, 128, 1024, 2048, 132));
+  CHECK(detail::fwd_sm90_persistent(detail::fwd_config_sm90(96, 96), 96, 96, 2048, 2048, 132));
+  CHECK_FALSE(detail::fwd_sm90_persistent(d128, 128, 128, 16384, 2048, 132));
+  CHECK_FALSE(detail::fwd_sm90_persistent(d128, 128, 128, 1024, 100, 132));
+  CHECK_FALSE(
+      detail::fwd_sm90_persistent(detail::fwd_config_sm90(64, 64), 64, 64, 1024, 3072, 132));
+  CHECK_FALSE(detail::fwd_sm90_persistent(detail::fwd_config_sm90(256, 256), 256, 256, 1024, 2048,
+                                          132));
   // Above D 128 the Hopper kernel's kv tiles are 64 wide: a 128 x 64 BlockMask fits them.
   for (int d : {64, 96, 128, 192, 256}) {
     const detail::TileConfig c = detail::fwd_config_sm90(d, d);
@@ -696,6 +707,18 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       const bool spill_free = v == &cols || v == &doc_cols || v == &masked_alibi;
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= (spill_free ? 0 : 8));
       if (d == 64 && spill_free) CHECK(tall);
+    }
+  // The persistent build (short sequences at D up to 128, 128-row tiles) keeps its wgmmas
+  // asynchronous without a spill for the plain variants (others fall back to a CTA per item).
+  for (const char* name : {"noop", "causal", "alibi", "sliding_window", "softcap"})
+    for (int d : {96, 128}) {
+      jit::KernelConfig kc{"sm_90", "bf16", d, d};
+      kc.persistent = true;
+      const std::string log =
+          ptxas_log(Variant::from_catalogue(name), jit::attention_fwd_sm90_spec(kc));
+      INFO(name << " D " << d << " persistent\n" << log);
+      CHECK(log.find("C751") == std::string::npos);
+      CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") == 0);
     }
   // The other head dims (O takes 48 / 96 / 128 registers), with the costliest hooks, and MLA's
   // q / k 192 with v 128 (128-wide kv tiles: S, P and O take 160 registers).
@@ -1123,6 +1146,29 @@ TEST_CASE("mask_mod's per-key loads, staged by the loader warps, match the refer
         check_at_offsets(*v, {i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, 333, i % 2 ? 517 : 1000,
                               d, false, 0, true, {}, kernel});
       }
+}
+
+TEST_CASE("the persistent Hopper kernel matches the reference over many work items", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Short sequences with more work items (q tile, head, batch) than SMs run persistent: a CTA per
+  // SM loops over items, loading the next Q while it stores the last output. Heaviest q tiles
+  // first over GQA heads and batches, odd lengths, Q_LEN != KV_LEN, queries at an offset; the
+  // staged column loads and relative-term tables across items; items without a single kv tile
+  // (rows below 600 see no key: output 0, LSE -inf) between ones with tiles.
+  const Variant none_below = Variant::from_strings("score", "kv_idx < q_idx - 600", {}, {}, "late");
+  const std::vector<CaptureSpec> caps{{"kvb", "float32", {"H", "KV_LEN"}},
+                                      {"doc", "int32", {"KV_LEN"}}};
+  const Variant doc_cols = Variant::from_strings(
+      "score + kvb[h, kv_idx]", "doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx", caps, {}, "dc");
+  int i = 0;
+  for (const Variant& v : {Variant::from_catalogue("noop"), Variant::from_catalogue("causal"),
+                           Variant::from_catalogue("t5_bias"), none_below, doc_cols})
+    for (int64_t d : {96, 128}) {
+      ++i;
+      // 192 items (128-row q tiles): more than an H100's 132 SMs.
+      check_at_offsets(v, {i % 2 ? DType::BF16 : DType::F16, 3, 8, 2, 1000, 1100, d, false, 0,
+                           true, {}, FwdKernel::Hopper});
+    }
 }
 
 TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {

@@ -18,6 +18,7 @@ struct KernelConfig {
   int head_dim = 128;
   int v_head_dim = 0;  // v's and the output's (the forward kernels); 0: head_dim
   int block_m = 0;     // the Hopper forward kernel's q tile rows; 0: the head dims' default
+  bool persistent = false;  // the Hopper forward kernel: a CTA per SM looping over work items
 };
 
 struct KnownKernel {
