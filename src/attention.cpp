@@ -24,8 +24,8 @@
 // structs out like g++; a change here must be deliberate).
 static_assert(offsetof(FlexcAttentionParams, q_stride) == 40 &&
               offsetof(FlexcAttentionParams, batch) == 136 &&
-              offsetof(FlexcAttentionParams, scale_log2) == 164 &&
-              sizeof(FlexcAttentionParams) == 168);
+              offsetof(FlexcAttentionParams, scale_log2) == 176 &&
+              sizeof(FlexcAttentionParams) == 184);
 
 namespace flexc {
 
@@ -212,7 +212,8 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_WARPS", std::to_string(c.threads / 32)},
-           {"FLEXC_STAGES", std::to_string(c.stages)}},
+           {"FLEXC_STAGES", std::to_string(c.stages)},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
           cfg.arch};
 }
 
@@ -228,7 +229,8 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_STAGES", std::to_string(c.stages)},
-           {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"}},
+           {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
           "sm_90a"};
 }
 
@@ -306,9 +308,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
-  if (opts.q_offset < 0 || opts.q_offset > kMaxInt - 256 - q_len)
-    fail(fmt::format("q_offset = {} must be >= 0 with q_offset + Q_LEN within int32",
-                     opts.q_offset));
+  const detail::Positions pos =
+      detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
+                                opts.seq_q_len, opts.seq_kv_len);
   if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
   // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
   // an output sharing memory with another operand, gives a result that depends on block order.
@@ -321,18 +323,15 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}})
       if (detail::overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
   if (opts.block_mask) {
-    detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, portable.block_m,
+    detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, pos, portable.block_m,
                              portable.block_n);
-    if (opts.block_mask->q_offset() != opts.q_offset)
-      fail(fmt::format("block_mask was built with q_offset {}; the call has {}",
-                       opts.block_mask->q_offset(), opts.q_offset));
   }
 
   const detail::VariantImpl& impl = detail::impl_of(variant);
   const std::string what = fmt::format("flexc::attention for '{}'", impl.name);
   const std::vector<double> params = detail::resolve_params(impl, opts.params, what);
   const auto captures =
-      detail::resolve_captures(impl, opts.captures, {B, Hq, opts.q_offset + q_len, kv_len}, what);
+      detail::resolve_captures(impl, opts.captures, {B, Hq, pos.seq_q_len, pos.seq_kv_len}, what);
   if (q_len == 0) return;
 
   const detail::DeviceLimits dev = detail::device_limits();
@@ -348,6 +347,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
 
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
+  kc.positions = pos.need_kernel(q_len, kv_len, true);
   // Short sequences on Hopper: a persistent grid.
   kc.persistent = hopper && detail::fwd_sm90_persistent(
                                 cfg, int(D), int(Dv), kv_len,
@@ -375,7 +375,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     p.v_stride[i] = v.stride(i), p.o_stride[i] = out.stride(i);
   }
   p.batch = int(B), p.q_heads = int(Hq), p.kv_heads = int(Hkv);
-  p.q_len = int(q_len), p.kv_len = int(kv_len), p.q_pos0 = int(opts.q_offset);
+  p.q_len = int(q_len), p.kv_len = int(kv_len);
+  p.q_pos0 = int(pos.q_offset), p.kv_pos0 = int(pos.kv_offset);
+  p.hook_q_len = int(pos.seq_q_len), p.hook_kv_len = int(pos.seq_kv_len);
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   FlexcArgs args = detail::kernel_args(impl, params, captures);

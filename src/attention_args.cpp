@@ -53,6 +53,29 @@ DType from_dsl(dsl::DType d) {
   return DType::F32;
 }
 
+Positions resolve_positions(std::string_view what, int64_t q_len, int64_t kv_len, int64_t q_offset,
+                            int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  Positions pos{q_offset, kv_offset, seq_q_len, seq_kv_len};
+  const struct {
+    const char *offset_name, *len_name, *rows_name;
+    int64_t offset, rows;
+    int64_t& seq;
+  } sides[] = {{"q_offset", "seq_q_len", "Q_LEN", q_offset, q_len, pos.seq_q_len},
+               {"kv_offset", "seq_kv_len", "KV_LEN", kv_offset, kv_len, pos.seq_kv_len}};
+  for (const auto& s : sides) {
+    if (s.offset < 0 || s.offset > kMax)
+      throw Error(fmt::format("{}: {} = {} must be >= 0 and at most {}", what, s.offset_name,
+                              s.offset, kMax));
+    const int64_t end = s.offset + s.rows;  // both below 2^31: no overflow
+    if (s.seq == 0) s.seq = end;
+    if (s.seq < end || s.seq > kMax)
+      throw Error(fmt::format("{}: {} = {} must hold {} + {} = {} (and be at most {}); 0 means {}",
+                              what, s.len_name, s.seq, s.offset_name, s.rows_name, end, kMax, end));
+  }
+  return pos;
+}
+
 std::vector<double> resolve_params(const VariantImpl& v,
                                    const std::map<std::string, double, std::less<>>& by_name,
                                    std::string_view what) {

@@ -22,6 +22,27 @@ struct CallDims {
   int64_t B = 1, H = 1, q_len = 0, kv_len = 0;
 };
 
+// Where a call's rows sit in their sequence (AttentionOptions, BackwardOptions, BlockMaskOptions
+// and ReferenceProblem take the same four fields): query row i at q_offset + i, key row j at
+// kv_offset + j; the mods see the sequence's lengths seq_q_len and seq_kv_len.
+struct Positions {
+  int64_t q_offset = 0, kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
+  // Whether a kernel must be built to read them (jit::KernelConfig::positions) for q_len queries
+  // and kv_len keys: keys not from 0, lengths other than the rows' ends, or queries not from 0
+  // where `q_offset_free` is false (the backward kernels; the forward ones read q_offset anyway).
+  bool need_kernel(int64_t q_len, int64_t kv_len, bool q_offset_free) const {
+    return kv_offset != 0 || seq_q_len != q_offset + q_len || seq_kv_len != kv_len ||
+           (!q_offset_free && q_offset != 0);
+  }
+};
+
+// The positions of a call with q_len queries and kv_len keys: a sequence length of 0 becomes
+// offset + rows. Throws flexc::Error "<what>: ..." naming the field unless the offsets are >= 0,
+// each sequence length holds its rows (seq_q_len >= q_offset + q_len) and fits an int32 (the
+// kernels' positions).
+Positions resolve_positions(std::string_view what, int64_t q_len, int64_t kv_len, int64_t q_offset,
+                            int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len);
+
 // Runtime param values by slot: the given ones (by name), defaults for the rest. Throws
 // flexc::Error "<what>: ..." for an unknown or const name and for a non-integer int value.
 std::vector<double> resolve_params(const VariantImpl& v,

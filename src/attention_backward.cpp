@@ -79,7 +79,8 @@ KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_WARPS", std::to_string(c.threads / 32)},
-           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"}},
+           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
           cfg.arch};
 }
 
@@ -94,7 +95,8 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
            {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"}},
+           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
           "sm_90a"};
 }
 
@@ -172,13 +174,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
       if (t != o && detail::overlap(*o, *t)) fail(fmt::format("{} overlaps {}", name, other));
     if (detail::overlap(*o, lse)) fail(fmt::format("{} overlaps lse", name));
   }
+  const detail::Positions pos =
+      detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
+                                opts.seq_q_len, opts.seq_kv_len);
   if (opts.block_mask)
-    detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, cfg.block_m,
+    detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, pos, cfg.block_m,
                              cfg.block_n);
-  if (opts.block_mask && opts.block_mask->q_offset() != 0)
-    fail(fmt::format("block_mask was built with q_offset {}; the backward computes queries at "
-                     "positions 0.. only (chunked prefill is forward-only)",
-                     opts.block_mask->q_offset()));
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
   const std::string hopper_misfit =
       detail::hopper_misfit("Hopper backward kernel", [&] { return detail::bwd_config_sm90(int(D)); },
@@ -187,7 +188,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 
   const detail::VariantImpl& impl = detail::impl_of(variant);
   const std::string what = fmt::format("{} for '{}'", kWhat, impl.name);
-  const detail::CallDims dims{B, Hq, q_len, kv_len};
+  const detail::CallDims dims{B, Hq, pos.seq_q_len, pos.seq_kv_len};
   const std::vector<double> params = detail::resolve_params(impl, opts.params, what);
   const auto captures = detail::resolve_captures(impl, opts.captures, dims, what);
   FlexcArgs args = detail::kernel_args(impl, params, captures);
@@ -231,7 +232,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, smem / 1024, dev.max_smem / 1024));
 
-  const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
+  jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
+  kc.positions = pos.need_kernel(q_len, kv_len, false);
   const jit::KernelSpec portable_spec = deterministic
                                             ? jit::attention_bwd_deterministic_spec(kc)
                                             : jit::attention_bwd_spec(kc);
@@ -267,6 +269,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   }
   f.batch = int(B), f.q_heads = int(Hq), f.kv_heads = int(Hkv);
   f.q_len = int(q_len), f.kv_len = int(kv_len);
+  f.q_pos0 = int(pos.q_offset), f.kv_pos0 = int(pos.kv_offset);
+  f.hook_q_len = int(pos.seq_q_len), f.hook_kv_len = int(pos.seq_kv_len);
   f.scale = static_cast<float>(scale);
   f.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;

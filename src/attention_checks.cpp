@@ -176,11 +176,21 @@ bool tiles_fit(const BlockMask& bm, int block_m, int block_n) {
 }
 
 void check_block_mask(std::string_view what, const BlockMask& bm, int64_t B, int64_t Hq,
-                      int64_t q_len, int64_t kv_len, int block_m, int block_n) {
+                      int64_t q_len, int64_t kv_len, const Positions& pos, int block_m,
+                      int block_n) {
   const auto fail = [&](const std::string& msg) { throw Error(fmt::format("{}: {}", what, msg)); };
   if (bm.q_len() != q_len || bm.kv_len() != kv_len)
     fail(fmt::format("block_mask was built for q_len {}, kv_len {}; the call has {}, {}",
                      bm.q_len(), bm.kv_len(), q_len, kv_len));
+  const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
+      {"q_offset", {bm.q_offset(), pos.q_offset}},
+      {"kv_offset", {bm.kv_offset(), pos.kv_offset}},
+      {"seq_q_len", {bm.seq_q_len(), pos.seq_q_len}},
+      {"seq_kv_len", {bm.seq_kv_len(), pos.seq_kv_len}}};
+  for (const auto& [name, v] : fields)
+    if (v.first != v.second)
+      fail(fmt::format("block_mask was built with {} {}; the call has {}", name, v.first,
+                       v.second));
   if (bm.nb() != 1 && bm.nb() != B)
     fail(fmt::format("block_mask has {} batches; the call has B = {} (1 broadcasts)", bm.nb(), B));
   if (bm.nh() != 1 && bm.nh() != Hq)

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string_view>
 
+#include "attention_args.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
@@ -64,9 +65,10 @@ class StreamBuffer {
 
 // Whether the BlockMask's tiles split into a kernel's block_m x block_n tiles.
 bool tiles_fit(const BlockMask& bm, int block_m, int block_n);
-// The BlockMask matches the call (lengths; nb / nh 1 or B / Hq) and its tiles split into the
-// kernel's.
+// The BlockMask matches the call (lengths, positions; nb / nh 1 or B / Hq) and its tiles split
+// into the kernel's.
 void check_block_mask(std::string_view what, const BlockMask& bm, int64_t B, int64_t Hq,
-                      int64_t q_len, int64_t kv_len, int block_m, int block_n);
+                      int64_t q_len, int64_t kv_len, const Positions& pos, int block_m,
+                      int block_n);
 
 }  // namespace flexc::detail

@@ -70,6 +70,7 @@ std::shared_ptr<BlockMask::State> new_state(int64_t nb, int64_t nh, int64_t q_le
   s->nqt = (q_len + q_tile - 1) / q_tile;
   s->nkt = (kv_len + kv_tile - 1) / kv_tile;
   s->stats.tiles = nb * nh * s->nqt * s->nkt;
+  s->pos = {0, 0, q_len, kv_len};
   return s;
 }
 
@@ -107,7 +108,7 @@ BlockMask create_block_mask(const Variant& v, int64_t B, int64_t H, int64_t q_le
     throw Error(fmt::format("create_block_mask for '{}': device = gpu, but no GPU is available",
                             p.variant_name));
   auto s = new_state(p.nb, p.nh, q_len, kv_len, p.q_tile, p.kv_tile);
-  s->q_offset = p.q_offset;
+  s->pos = p.pos;
   const Analysis a =
       !opts.analytic ? detail::no_analysis(p)
       : gpu          ? detail::analyse(p, detail::gpu_leaf_tiles(opts), detail::gpu_box_budget(p))
@@ -194,7 +195,10 @@ BlockMask BlockMask::from_kv_blocks(int64_t nb, int64_t nh, int64_t q_len, int64
 int64_t BlockMask::nb() const { return s_->nb; }
 int64_t BlockMask::nh() const { return s_->nh; }
 int64_t BlockMask::q_len() const { return s_->q_len; }
-int64_t BlockMask::q_offset() const { return s_->q_offset; }
+int64_t BlockMask::q_offset() const { return s_->pos.q_offset; }
+int64_t BlockMask::kv_offset() const { return s_->pos.kv_offset; }
+int64_t BlockMask::seq_q_len() const { return s_->pos.seq_q_len; }
+int64_t BlockMask::seq_kv_len() const { return s_->pos.seq_kv_len; }
 int64_t BlockMask::kv_len() const { return s_->kv_len; }
 int64_t BlockMask::q_tile() const { return s_->q_tile; }
 int64_t BlockMask::kv_tile() const { return s_->kv_tile; }

@@ -39,7 +39,8 @@ void resolve_captures(MaskProblem& p, const VariantImpl& impl, const BlockMaskOp
            fmt::format("capture '{}': the host copy is required (the analysis reads it)", d.name));
     // The device copy is optional (null passes); when given, it is what must be aligned.
     const TensorView device{const_cast<void*>(c.device), from_dsl(d.dtype), c.shape, c.strides};
-    check_capture(d, device, CallDims{p.B, p.H, p.hook_q_len(), p.kv_len}, what, "the device copy");
+    check_capture(d, device, CallDims{p.B, p.H, p.pos.seq_q_len, p.pos.seq_kv_len}, what,
+                  "the device copy");
     p.captures[slot] = dsl::HostTensor{d.dtype, c.host, c.shape, c.strides};
     p.capture_shapes[slot] = c.shape;
     p.device_captures[slot] = device;
@@ -57,7 +58,7 @@ MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_le
   p.decls = &impl.decls;
   p.variant_name = impl.name;
   p.B = B, p.H = H, p.q_len = q_len, p.kv_len = kv_len;
-  p.q_tile = opts.q_tile, p.kv_tile = opts.kv_tile, p.q_offset = opts.q_offset;
+  p.q_tile = opts.q_tile, p.kv_tile = opts.kv_tile;
   const std::string what = fmt::format("create_block_mask for '{}'", p.variant_name);
   check_geometry(what, {{"B", B},
                         {"H", H},
@@ -65,9 +66,8 @@ MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_le
                         {"kv_len", kv_len},
                         {"q_tile", p.q_tile},
                         {"kv_tile", p.kv_tile}});
-  if (opts.q_offset < 0 || opts.q_offset > std::numeric_limits<int32_t>::max() - q_len)
-    throw Error(fmt::format("{}: q_offset = {} must be >= 0 with q_offset + q_len within int32",
-                            what, opts.q_offset));
+  p.pos = resolve_positions(what, q_len, kv_len, opts.q_offset, opts.kv_offset, opts.seq_q_len,
+                            opts.seq_kv_len);
   p.nqt = (q_len + p.q_tile - 1) / p.q_tile;
   p.nkt = (kv_len + p.kv_tile - 1) / p.kv_tile;
 
@@ -218,8 +218,8 @@ Analysis analyse(const MaskProblem& p, int64_t leaf_tiles, int64_t max_boxes) {
   for (uint16_t slot : p.read_captures) ranges[slot].emplace(p.captures[slot]);
 
   dsl::IntervalEnv env;
-  env.q_len = p.hook_q_len();
-  env.kv_len = p.kv_len;
+  env.q_len = p.pos.seq_q_len;
+  env.kv_len = p.pos.seq_kv_len;
   env.params = p.params;
   env.capture_shapes = p.capture_shapes;
   env.capture_range =
@@ -234,8 +234,9 @@ Analysis analyse(const MaskProblem& p, int64_t leaf_tiles, int64_t max_boxes) {
   auto verdict = [&](const TileBox& x) {
     env.b = {x.b0, x.b1 - 1};
     env.h = {x.h0, x.h1 - 1};
-    env.q_idx = {p.q_offset + x.q0 * p.q_tile, p.q_offset + std::min(x.q1 * p.q_tile, p.q_len) - 1};
-    env.kv_idx = {x.k0 * p.kv_tile, std::min(x.k1 * p.kv_tile, p.kv_len) - 1};
+    const int64_t q0 = p.pos.q_offset, k0 = p.pos.kv_offset;
+    env.q_idx = {q0 + x.q0 * p.q_tile, q0 + std::min(x.q1 * p.q_tile, p.q_len) - 1};
+    env.kv_idx = {k0 + x.k0 * p.kv_tile, k0 + std::min(x.k1 * p.kv_tile, p.kv_len) - 1};
     ++a.boxes;
     return evaluator.verdict(env);
   };

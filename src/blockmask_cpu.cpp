@@ -18,14 +18,14 @@ TileKind classify_tile_cpu(const MaskProblem& p, int64_t b, int64_t h, int64_t q
   dsl::EvalEnv env;
   env.ints[static_cast<int>(dsl::Input::B)] = b;
   env.ints[static_cast<int>(dsl::Input::H)] = h;
-  env.ints[static_cast<int>(dsl::Input::QLen)] = p.hook_q_len();
-  env.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
+  env.ints[static_cast<int>(dsl::Input::QLen)] = p.pos.seq_q_len;
+  env.ints[static_cast<int>(dsl::Input::KvLen)] = p.pos.seq_kv_len;
   env.params = p.params;
   env.captures = p.captures;
   bool seen_true = false, seen_false = false;
   auto eval = [&](int64_t q, int64_t k) {
-    env.ints[static_cast<int>(dsl::Input::QIdx)] = p.q_offset + q;
-    env.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
+    env.ints[static_cast<int>(dsl::Input::QIdx)] = p.pos.q_offset + q;
+    env.ints[static_cast<int>(dsl::Input::KvIdx)] = p.pos.kv_offset + k;
     (dsl::evaluate(*p.mask, env, dsl::Precision::F32, scratch).i ? seen_true : seen_false) = true;
     return seen_true && seen_false;
   };
@@ -73,8 +73,8 @@ BlockMask::Host lists_from_grid(std::span<const uint8_t> grid, int64_t groups, i
 }
 
 TileKeptCounter::TileKeptCounter(const MaskProblem& p) : p_(p) {
-  env_.ints[static_cast<int>(dsl::Input::QLen)] = p.hook_q_len();
-  env_.ints[static_cast<int>(dsl::Input::KvLen)] = p.kv_len;
+  env_.ints[static_cast<int>(dsl::Input::QLen)] = p.pos.seq_q_len;
+  env_.ints[static_cast<int>(dsl::Input::KvLen)] = p.pos.seq_kv_len;
   env_.params = p.params;
   env_.captures = p.captures;
 }
@@ -89,8 +89,8 @@ double TileKeptCounter::kept(const BlockMask& bm, int64_t b, int64_t h, int64_t 
   double kept = 0;
   for (int64_t q = q0; q < q1; ++q)
     for (int64_t k = k0; k < k1; ++k) {
-      env_.ints[static_cast<int>(dsl::Input::QIdx)] = p_.q_offset + q;
-      env_.ints[static_cast<int>(dsl::Input::KvIdx)] = k;
+      env_.ints[static_cast<int>(dsl::Input::QIdx)] = p_.pos.q_offset + q;
+      env_.ints[static_cast<int>(dsl::Input::KvIdx)] = p_.pos.kv_offset + k;
       kept += dsl::evaluate(*p_.mask, env_, dsl::Precision::F32, scratch_).i != 0;
     }
   return kept;
@@ -104,7 +104,8 @@ double mask_density(const Variant& v, const BlockMask& bm, int64_t B, int64_t H,
                     const BlockMaskOptions& opts) {
   const detail::MaskProblem p = detail::resolve_problem(v, B, H, bm.q_len(), bm.kv_len(), opts);
   if (p.nb != bm.nb() || p.nh != bm.nh() || p.q_tile != bm.q_tile() || p.kv_tile != bm.kv_tile() ||
-      p.q_offset != bm.q_offset())
+      p.pos.q_offset != bm.q_offset() || p.pos.kv_offset != bm.kv_offset() ||
+      p.pos.seq_q_len != bm.seq_q_len() || p.pos.seq_kv_len != bm.seq_kv_len())
     throw Error(fmt::format(
         "mask_density: the BlockMask ({} x {} groups, {} x {} tiles) was not built for '{}' with "
         "B {}, H {} and these options",

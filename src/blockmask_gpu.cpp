@@ -182,10 +182,11 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
            {&grid, &full_boxes, &full_prefix, &n_full, &full_tiles, &nh, &nqt, &nkt});
   if (classify) {
     int q_tile = int(p.q_tile), kv_tile = int(p.kv_tile), q_len = int(p.q_len),
-        kv_len = int(p.kv_len), q_offset = int(p.q_offset);
+        kv_len = int(p.kv_len), q_offset = int(p.pos.q_offset), kv_offset = int(p.pos.kv_offset),
+        seq_q_len = int(p.pos.seq_q_len), seq_kv_len = int(p.pos.seq_kv_len);
     launch(*classify, stride_blocks(und_tiles, 1), kClassifyThreads, stream,
            {&args, &grid, &und_boxes, &und_prefix, &n_und, &und_tiles, &nh, &nqt, &nkt, &q_tile,
-            &kv_tile, &q_len, &kv_len, &q_offset});
+            &kv_tile, &q_len, &kv_len, &q_offset, &kv_offset, &seq_q_len, &seq_kv_len});
   }
   int row_blocks = int((p.groups() * p.nqt + 31) / 32);
   const int64_t col_blocks = p.groups() * ((p.nkt + 31) / 32);

@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attention_args.h"
 #include "dsl/analysis.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
@@ -29,9 +30,9 @@ struct MaskProblem {
   std::string variant_name;
   int64_t B = 1, H = 1, nb = 1, nh = 1;  // nb / nh: 1 when the mask does not read b / h
   int64_t q_len = 0, kv_len = 0, q_tile = 0, kv_tile = 0, nqt = 0, nkt = 0;
-  // Row r of the mask is query position q_offset + r; mask_mod's q_len is hook_q_len().
-  int64_t q_offset = 0;
-  int64_t hook_q_len() const { return q_offset + q_len; }
+  // Row r of the mask is query position pos.q_offset + r, column c key position pos.kv_offset +
+  // c; mask_mod's lengths are pos.seq_q_len and pos.seq_kv_len.
+  Positions pos;
   std::vector<double> params;                        // by param slot
   std::vector<dsl::HostTensor> captures;             // by capture slot (data null when not read)
   std::vector<std::vector<int64_t>> capture_shapes;  // by capture slot
@@ -168,7 +169,7 @@ namespace flexc {
 
 struct BlockMask::State {
   int64_t nb = 1, nh = 1, q_len = 0, kv_len = 0, q_tile = 0, kv_tile = 0, nqt = 0, nkt = 0;
-  int64_t q_offset = 0;
+  detail::Positions pos;  // resolved
   BlockMaskStats stats;
   // At least one of the two is set at construction; the other is made on demand.
   mutable std::mutex mu;

@@ -50,13 +50,17 @@ ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceP
       if (len < 0 || len > Lkv)
         throw Error(fmt::format("{}: kv_lens value {} is outside [0, KV_LEN = {}]", what, len, Lkv));
   }
-  if (p.q_offset < 0 || (p.q_offset != 0 && !p.kv_lens.empty()))
-    throw Error(fmt::format("{}: q_offset {} must be >= 0, and is for prefill (decode takes "
-                            "q_offsets)",
-                            what, p.q_offset));
+  if (!p.kv_lens.empty() &&
+      (p.q_offset != 0 || p.kv_offset != 0 || p.seq_q_len != 0 || p.seq_kv_len != 0))
+    throw Error(fmt::format("{}: q_offset, kv_offset, seq_q_len and seq_kv_len are for prefill "
+                            "(decode takes kv_lens and q_offsets)",
+                            what));
   // Decode positions index one sequence: captures' Q_LEN dims are the cache's length.
-  const int64_t capture_q_len = p.kv_lens.empty() ? p.q_offset + Lq : Lkv;
-  const auto views = resolve_captures(impl, p.captures, {B, Hq, capture_q_len, Lkv}, what);
+  in.pos = p.kv_lens.empty() ? resolve_positions(what, Lq, Lkv, p.q_offset, p.kv_offset,
+                                                 p.seq_q_len, p.seq_kv_len)
+                             : Positions{0, 0, Lkv, Lkv};
+  const auto views =
+      resolve_captures(impl, p.captures, {B, Hq, in.pos.seq_q_len, in.pos.seq_kv_len}, what);
   in.captures.resize(views.size());
   for (size_t slot = 0; slot < views.size(); ++slot) {
     if (!views[slot]) continue;
@@ -105,15 +109,16 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
       const int64_t row = r.rows[i];
       const int64_t b = row / (Hq * Lq), h = row / Lq % Hq, qi = row % Lq, hk = h / (Hq / Hkv);
       const float* q = p.q.data() + row * D;
-      // The row's position, its sequence's length and the lengths the mods see.
-      int64_t pos = p.q_offset + qi, keys = Lkv, hook_q_len = p.q_offset + Lq;
+      // The row's position, its keys and the lengths the mods see.
+      int64_t pos = in.pos.q_offset + qi, keys = Lkv, hook_q_len = in.pos.seq_q_len,
+              hook_kv_len = in.pos.seq_kv_len;
       if (!p.kv_lens.empty()) {
-        keys = p.kv_lens[b];
+        keys = hook_kv_len = p.kv_lens[b];
         pos = (p.q_offsets.empty() ? keys - Lq : p.q_offsets[b]) + qi;
         hook_q_len = pos - qi + Lq;
         if (pos < 0 || pos >= Lkv) continue;  // no keys: output 0, LSE -inf
       }
-      env.ints = {0, b, h, pos, 0, hook_q_len, keys};
+      env.ints = {0, b, h, pos, 0, hook_q_len, hook_kv_len};
       double mx = -kInf, mx32 = -kInf;
       for (int64_t j = 0; j < keys; ++j) {
         const float* k = p.k.data() + ((b * Hkv + hk) * Lkv + j) * D;
@@ -123,7 +128,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
         // The kernels' rounding points: an fp32 dot product times the fp32 scale, then score_mod
         // in float32 (the interpreter's F32 mode is what the emitted code computes).
         double x32 = static_cast<float>(dot) * static_cast<float>(scale);
-        env.ints[static_cast<int>(dsl::Input::KvIdx)] = j;
+        env.ints[static_cast<int>(dsl::Input::KvIdx)] = in.pos.kv_offset + j;
         if (!identity) {
           env.score = x;
           x = dsl::evaluate(score, env, dsl::Precision::F64, scratch).f;

@@ -138,7 +138,8 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
     const float* v = p.v.data() + at_kv(b, hk, j);
     const float* dout = bp.dout.data() + at_q(b, h, i);
     e.gold = e.ref = false;
-    env.ints = {0, b, h, i, j, Lq, Lkv};
+    env.ints = {0, b, h, in.pos.q_offset + i, in.pos.kv_offset + j, in.pos.seq_q_len,
+                in.pos.seq_kv_len};
     if (!all_true && dsl::evaluate(mask, env, dsl::Precision::F32, scratch).i == 0) return;
     double dot = 0, dp = 0;
     for (int64_t d = 0; d < D; ++d) dot += double(q[d]) * k[d], dp += double(dout[d]) * v[d];

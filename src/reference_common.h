@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "attention_args.h"
 #include "dsl/analysis.h"
 #include "flexc/reference.h"
 #include "variant_impl.h"
@@ -39,6 +40,7 @@ struct ReferenceInputs {
   double scale = 0;
   std::vector<double> params;
   std::vector<dsl::HostTensor> captures;  // by slot; empty data where the variant reads none
+  Positions pos;  // resolved (decode: 0, 0, KV_LEN, KV_LEN; the rows' own positions apart)
 };
 
 // Checks sizes, dtype, params and captures; throws flexc::Error starting with `what`.

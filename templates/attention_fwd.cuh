@@ -136,8 +136,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
       unsigned* table =
           reinterpret_cast<unsigned*>(smem + kQBytes + kStages * kStageBytes) +
           (it & 1) * RelTable::kWords;
-      RelTable::fill(table, args, b, h, q0 + p.q_pos0, sched.start(cur), Scores::hook_q_len(p),
-                     p.kv_len, threadIdx.x, kThreads);
+      RelTable::fill(table, args, b, h, q0 + p.q_pos0, sched.start(cur) + flexc_attn::kv_pos0(p),
+                     Scores::hook_q_len(p), flexc_attn::hook_kv_len(p), threadIdx.x, kThreads);
       cols.rel = RelTable::thread_view(table, warp * kWarpRows);
     }
   };

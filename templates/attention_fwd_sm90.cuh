@@ -462,8 +462,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       if constexpr (RelTable::kTerms > 0) {
         if (kMayBeEmpty && kind == flexc_attn::kTileEmpty) return;
         unsigned* table = tables + (cw * 2 + (jt & 1)) * RelTable::kWords;
-        RelTable::fill(table, args, b, h, q0 + q_rows + p.q_pos0, kv0, Scores::hook_q_len(p),
-                       p.kv_len, threadIdx.x & 127, 128);
+        RelTable::fill(table, args, b, h, q0 + q_rows + p.q_pos0, kv0 + flexc_attn::kv_pos0(p),
+                       Scores::hook_q_len(p), flexc_attn::hook_kv_len(p), threadIdx.x & 127, 128);
         named_sync(kRelBarrier + cw, 128);
         cols.rel = RelTable::thread_view(table, (warp & 3) * 16);
       }

@@ -17,9 +17,14 @@ struct FlexcAttentionParams {
   long long v_stride[3];
   long long o_stride[3];
   int batch, q_heads, kv_heads;  // q_heads % kv_heads == 0
-  int q_len, kv_len;
-  int q_pos0;        // position of query row 0: the mods see q_idx = q_pos0 + row and
-                     // q_len = q_pos0 + q_len (chunked prefill; 0 otherwise)
+  int q_len, kv_len;  // the tensors' rows
+  // Where the rows sit in their sequence, as the mods see them: q_idx = q_pos0 + row, kv_idx =
+  // kv_pos0 + row, and the sequence's lengths hook_q_len >= q_pos0 + q_len and hook_kv_len >=
+  // kv_pos0 + kv_len (chunked prefill: q_pos0 > 0; a block of a longer sequence, as ring
+  // attention computes: both; otherwise 0, 0, q_len, kv_len).
+  // (Kernels built without FLEXC_POSITIONS read q_pos0 alone: attention_tile.cuh, kPositions.)
+  int q_pos0, kv_pos0;
+  int hook_q_len, hook_kv_len;
   float scale;       // softmax scale: score_mod sees scale * q.k
   float scale_log2;  // scale * log2(e), for identity score_mods
 };

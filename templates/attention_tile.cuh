@@ -18,6 +18,29 @@ namespace flexc_attn {
 
 using flexc_tile::neg_inf;
 
+// Positions (FlexcAttentionParams::q_pos0 and the rest). A kernel built with FLEXC_POSITIONS (a
+// block of a longer sequence: ring attention's steps) reads them all. The others see keys from
+// 0 and the tensors' lengths, queries from q_pos0 in the forward kernels (chunked prefill) and
+// from 0 in the backward ones: any more runtime positions perturb ptxas's register allocation
+// (the Hopper backward's spills moved by -120..+80 bytes across the catalogue), so the host
+// builds the positions kernel only for calls that need it (src/attention.cpp).
+#ifndef FLEXC_POSITIONS
+#define FLEXC_POSITIONS 0
+#endif
+constexpr bool kPositions = FLEXC_POSITIONS != 0;
+__device__ __forceinline__ int kv_pos0(const FlexcAttentionParams& p) {
+  return kPositions ? p.kv_pos0 : 0;
+}
+// The lengths the hooks see; Q_POS: the kernel's queries start at q_pos0 (the forward kernels).
+template <bool Q_POS>
+__device__ __forceinline__ int hook_q_len(const FlexcAttentionParams& p) {
+  if constexpr (kPositions) return p.hook_q_len;
+  return Q_POS ? p.q_pos0 + p.q_len : p.q_len;
+}
+__device__ __forceinline__ int hook_kv_len(const FlexcAttentionParams& p) {
+  return kPositions ? p.hook_kv_len : p.kv_len;
+}
+
 // Which way a kernel walks the score matrix from its fixed tile: along a q tile's row, visiting kv
 // tiles (the forward kernels), or along a kv tile's column, visiting q tiles (the backward kernel).
 enum class Along { Kv, Q };
@@ -257,10 +280,11 @@ struct StagedColumns {
 #pragma unroll 1
     for (int c = tid; c < BLOCK_N; c += n) {
       unsigned w[kCols > 0 ? kCols : 1];
-      const int kv = min(kv0 + c, p.kv_len - 1), q_len = p.q_pos0 + p.q_len;
-      if constexpr (kScoreCols > 0) FlexcVariant::score_columns(args, b, h, 0, kv, q_len, p.kv_len, w);
+      const int kv = min(kv0 + c, p.kv_len - 1) + kv_pos0(p);
+      const int q_len = hook_q_len<true>(p), kv_len = hook_kv_len(p);
+      if constexpr (kScoreCols > 0) FlexcVariant::score_columns(args, b, h, 0, kv, q_len, kv_len, w);
       if constexpr (kCols > kScoreCols)
-        FlexcVariant::mask_columns(args, b, h, 0, kv, q_len, p.kv_len, w + kScoreCols);
+        FlexcVariant::mask_columns(args, b, h, 0, kv, q_len, kv_len, w + kScoreCols);
 #pragma unroll
       for (int k = 0; k < kCols; ++k) flexc_tile::st_shared(stage + 4 * (k * BLOCK_N + c), w[k]);
     }
@@ -302,7 +326,7 @@ struct ScoreTile {
     bool col_in[NT][2];
 
     // Tensor rows / columns from row0 / col0, inside row_len / col_len; the hooks see them
-    // shifted by row_pos0 / col_pos0 (query positions, FlexcAttentionParams::q_pos0).
+    // shifted by row_pos0 / col_pos0 (their positions, FlexcAttentionParams::q_pos0, kv_pos0).
     __device__ __forceinline__ Idx(int h, int row0, int col0, int row_len, int col_len,
                                    int row_pos0 = 0, int col_pos0 = 0) {
       const int lane = threadIdx.x & 31;
@@ -339,16 +363,19 @@ struct ScoreTile {
     }
   };
 
-  // Query positions start at p.q_pos0 for rows along Q (the forward's chunked prefill); the
-  // backward (rows along Kv) has none, and keeps the register it would take.
+  // Positions (see kPositions): query rows from p.q_pos0 along Q, and from 0 along Kv (the
+  // backward) unless built with positions.
   __device__ __forceinline__ static Idx index(int h, int row0, int col0,
                                               const FlexcAttentionParams& p) {
+    if constexpr (kPositions)
+      return R == Rows::Q ? Idx(h, row0, col0, p.q_len, p.kv_len, p.q_pos0, p.kv_pos0)
+                          : Idx(h, row0, col0, p.kv_len, p.q_len, p.kv_pos0, p.q_pos0);
     return R == Rows::Q ? Idx(h, row0, col0, p.q_len, p.kv_len, p.q_pos0, 0)
                         : Idx(h, row0, col0, p.kv_len, p.q_len);
   }
-  // The q_len the hooks see: the position after the last query.
+  // The q_len the hooks see: the position after the last query (or the sequence's length).
   __device__ __forceinline__ static int hook_q_len(const FlexcAttentionParams& p) {
-    return R == Rows::Q ? p.q_pos0 + p.q_len : p.q_len;
+    return flexc_attn::hook_q_len<R == Rows::Q>(p);
   }
 
   // Calls f(i, j, e, h, q_idx, kv_idx, in) for every score s[i][j][e] this thread holds. `in`:
@@ -429,8 +456,8 @@ struct ScoreTile {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           long long base[kScoreTiles > 0 ? kScoreTiles : 1];
-          FlexcVariant::score_tile_offsets(args, b, idx.head[i][r], idx.row[i][r], 0,
-                                           hook_q_len(p), p.kv_len, base);
+          FlexcVariant::score_tile_offsets(args, b, idx.head[i][r], idx.row[i][r], kv_pos0(p),
+                                           hook_q_len(p), hook_kv_len(p), base);
 #pragma unroll
           for (int k = 0; k < kScoreTiles; ++k) {
             const FlexcCapture& cap = args.captures[FlexcVariant::score_tile_slot(k)];
@@ -474,7 +501,7 @@ struct ScoreTile {
 #pragma unroll
             for (int e = 0; e < 2; ++e)
               FlexcVariant::score_tiles(args, b, h, idx.row[i][r], idx.col[j][e], hook_q_len(p),
-                                        p.kv_len, w[e]);
+                                        hook_kv_len(p), w[e]);
 #pragma unroll
             for (int k = 0; k < kScoreTiles; ++k)
               c.tile[i][r][j][k] = pack_pair(FlexcVariant::score_tile_type(k), w[0][k], w[1][k]);
@@ -529,7 +556,8 @@ struct ScoreTile {
         const float x = s[i][j][e] * p.scale;
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
-              FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
+              FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                           hook_kv_len(p));
         // (Column loads are read from cols only where someone staged them.)
         if constexpr (kScoreWords > 0 && (kScoreCols == 0 || kStagedCols)) {
           if (cols) {
@@ -545,12 +573,12 @@ struct ScoreTile {
               cv[kScoreCols + kScoreTiles + k] =
                   cols->rel[k * kRelStride + 8 * j + (e & 1) - 16 * i - 8 * (e >> 1)];
             s[i][j][e] = FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                                      p.kv_len, cv);
+                                                      hook_kv_len(p), cv);
             return;
           }
         }
         s[i][j][e] =
-            FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
+            FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p), hook_kv_len(p));
       });
     }
     // Where registers are TIGHT, the mask and the edge read the columns again, computed anew from
@@ -562,7 +590,8 @@ struct ScoreTile {
     if constexpr (TIGHT && !FlexcVariant::kIdentityScore) {
       int c0 = col0;
       asm volatile("" : "+r"(c0));
-      fresh.set_cols(c0, R == Rows::Q ? p.kv_len : p.q_len, 0);
+      fresh.set_cols(c0, R == Rows::Q ? p.kv_len : p.q_len,
+                     !kPositions ? 0 : R == Rows::Q ? p.kv_pos0 : p.q_pos0);
     }
     if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
       if (partial) {
@@ -573,10 +602,10 @@ struct ScoreTile {
 #pragma unroll
             for (int k = 0; k < kMaskCols; ++k)
               cv[k] = cols->staged[(kScoreCols + k) * NT * 8 + 8 * j + (e & 1)];
-            keep = FlexcVariant::mask_mod_cols(args, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len,
-                                               cv);
+            keep = FlexcVariant::mask_mod_cols(args, b, h, q_idx, kv_idx, hook_q_len(p),
+                                               hook_kv_len(p), cv);
           } else {
-            keep = FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, hook_q_len(p), p.kv_len);
+            keep = FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, hook_q_len(p), hook_kv_len(p));
           }
           s[i][j][e] = in & keep ? s[i][j][e] : neg_inf();
         });
@@ -634,7 +663,7 @@ __device__ __forceinline__ void add_capture_grads(Sink& sink, const FlexcArgs& a
                                                   int kv_idx) {
   const float grad_score = pv == 0.f ? 0.f : pv * (dp - delta);
   FlexcVariant::accumulate_capture_grads(args, sink, grad_score, XN > 1 ? x[j][e] : 0.f, b, h,
-                                         q_idx, kv_idx, p.q_len, p.kv_len);
+                                         q_idx, kv_idx, hook_q_len<false>(p), hook_kv_len(p));
 }
 
 // The backward's float32 dQ accumulator (FlexcAttentionBwdParams::dq_accum): per (batch, query

@@ -79,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bm::kClassifyThreads)
     flexc_blockmask_classify(const FlexcArgs args, unsigned char* grid, const int* boxes,
                              const long long* prefix, int n, long long total, int nh, int nqt,
                              int nkt, int q_tile, int kv_tile, int q_len, int kv_len,
-                             int q_offset) {
+                             int q_offset, int kv_offset, int hook_q_len, int hook_kv_len) {
   using namespace flexc_bm;
   for (long long w = blockIdx.x; w < total; w += gridDim.x) {
     const int i = find_box(prefix, 0, n, w);
@@ -88,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bm::kClassifyThreads)
     const int rows = min(q_tile, q_len - q0), cols = min(kv_tile, kv_len - k0);
     bool seen_true = false, seen_false = false;
     auto eval = [&](int q, int kv) {
-      if (FlexcVariant::mask_mod(args, t.b, t.h, q_offset + q, kv, q_offset + q_len, kv_len))
+      if (FlexcVariant::mask_mod(args, t.b, t.h, q_offset + q, kv_offset + kv, hook_q_len,
+                                 hook_kv_len))
         seen_true = true;
       else seen_false = true;
     };

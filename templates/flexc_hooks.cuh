@@ -65,8 +65,8 @@
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in
-// [0, q_len) and kv_idx in [0, kv_len), the call's sizes, to which the captures' symbolic dims
-// resolve. A kernel computing scores past the lengths (edge tiles) passes indices clamped into
+// [0, q_len) and kv_idx in [0, kv_len), the sequence's lengths (the call's, or those of the
+// sequence a call computes a block of), to which the captures' symbolic dims resolve. A kernel computing scores past the lengths (edge tiles) passes indices clamped into
 // range and discards those scores. The emitter relies on it: an index that is exactly the input
 // its dim measures (`slope[h]` with dim H, `doc[kv_idx]` with KV_LEN) is used without wrapping.
 #pragma once

@@ -42,6 +42,7 @@ using flexc::testing::random_capture;
 using flexc::testing::SweepShape;
 using flexc::testing::sweep_shape;
 using flexc::testing::round16;
+using flexc::testing::rows_of;
 
 // A problem on the host: q [B, Hq, Lq, D], k / v [B, Hkv, Lkv, D] with values exact in `dtype`.
 struct Problem {
@@ -172,6 +173,76 @@ TEST_CASE("the reference gives rows without an unmasked element output 0 and LSE
     if (masked)
       for (int64_t d = 0; d < p.D; ++d) CHECK(r.gold_out[i * p.D + d] == 0);
   }
+}
+
+// Merges partial attention results over disjoint key sets (ring attention's rule, in float64):
+// lse = log sum_i exp(lse_i), out = sum_i exp(lse_i - lse) out_i; parts with no key (-inf) weigh 0.
+void merge_parts(const std::vector<const ReferenceResult*>& parts, int64_t dv,
+                 std::vector<double>& out, std::vector<double>& lse) {
+  const size_t rows = parts[0]->gold_lse.size();
+  out.assign(rows * dv, 0), lse.assign(rows, -kInf);
+  for (size_t r = 0; r < rows; ++r) {
+    double mx = -kInf, sum = 0;
+    for (const ReferenceResult* p : parts) mx = std::max(mx, p->gold_lse[r]);
+    if (mx == -kInf) continue;
+    for (const ReferenceResult* p : parts) sum += std::exp(p->gold_lse[r] - mx);
+    lse[r] = mx + std::log(sum);
+    for (const ReferenceResult* p : parts) {
+      const double w = std::exp(p->gold_lse[r] - lse[r]);
+      for (int64_t d = 0; d < dv; ++d) out[r * dv + d] += w * p->gold_out[r * dv + d];
+    }
+  }
+}
+
+TEST_CASE("the reference at positions: a sequence's key blocks merge into its attention",
+          "[reference]") {
+  // A block of a longer sequence (context parallelism): queries [qa, qa + nq) of the whole
+  // against keys [kb, kb + nk), the mods seeing global positions and the whole's lengths, with
+  // captures indexed by position, a relative bias and a length term. The blocks' outputs merged
+  // by their LSE are the whole sequence's rows (keys blocks 0..2 of the last query fall under
+  // causality's empty block too).
+  const int64_t L = 150, qa = 40, nq = 70, D = 32;
+  const Problem whole(2, 4, 2, L, L, D, DType::BF16);
+  std::vector<float> slope{0.5f, 0.25f, 0.125f, 0.0625f};
+  std::vector<int32_t> doc(L);
+  for (int64_t i = 0; i < L; ++i) doc[i] = int32_t(i / 37);
+  const Variant v = Variant::from_strings(
+      "score + slope[h] * (kv_idx - q_idx) + 0.001 * (q_len - kv_idx)",
+      "doc[q_idx] == doc[kv_idx] && q_idx >= kv_idx",
+      {{"slope", "float32", {"H"}}, {"doc", "int32", {"KV_LEN"}}}, {}, "blocks");
+  auto with_captures = [&](ReferenceProblem p) {
+    p.captures["slope"] = TensorView::contiguous(slope.data(), DType::F32, {4});
+    p.captures["doc"] = TensorView::contiguous(doc.data(), DType::I32, {L});
+    return p;
+  };
+  ReferenceProblem wp = with_captures(whole.reference());
+  for (int64_t bh = 0; bh < 2 * 4; ++bh)
+    for (int64_t i = 0; i < nq; ++i) wp.rows.push_back(bh * L + qa + i);
+  const ReferenceResult want = reference_attention(v, wp);
+
+  std::vector<ReferenceResult> parts;
+  for (auto [kb, nk] : {std::pair<int64_t, int64_t>{0, 50}, {50, 60}, {110, 40}}) {
+    ReferenceProblem bp = with_captures(whole.reference());
+    const std::vector<float> q = rows_of(whole.q, 8, L, D, qa, nq);
+    const std::vector<float> k = rows_of(whole.k, 4, L, D, kb, nk);
+    const std::vector<float> vv = rows_of(whole.v, 4, L, D, kb, nk);
+    bp.q = q, bp.k = k, bp.v = vv;
+    bp.q_len = nq, bp.kv_len = nk;
+    bp.q_offset = qa, bp.kv_offset = kb, bp.seq_q_len = L, bp.seq_kv_len = L;
+    parts.push_back(reference_attention(v, bp));
+  }
+  std::vector<double> out, lse;
+  merge_parts({&parts[0], &parts[1], &parts[2]}, D, out, lse);
+  CHECK(max_abs_diff(out, want.gold_out) < 1e-12);
+  CHECK(max_abs_diff(lse, want.gold_lse) < 1e-12);
+  // The last key block is empty for queries below 110: no key, LSE -inf, output 0.
+  CHECK(parts[2].gold_lse[0] == -kInf);
+  CHECK(parts[2].gold_out[0] == 0.0);
+
+  ReferenceProblem bad = with_captures(whole.reference());
+  bad.kv_offset = 10, bad.seq_kv_len = L;
+  CHECK_THROWS_WITH(reference_attention(v, bad),
+                    Contains("seq_kv_len = 150 must hold kv_offset + KV_LEN = 160"));
 }
 
 TEST_CASE("ref rounds where the kernel rounds, and the tolerance rule", "[reference]") {
@@ -645,8 +716,10 @@ int spill_bytes(const std::string& log, const std::string& entry) {
 // The Hopper forward kernel's log as flexc::attention would launch it: at D 64, the 192-row
 // tiles unless they need local memory (their consumers' 160 registers do not hold the hooks'
 // working set), then the 128-row ones. `tall`: whether the 192-row one was taken.
-std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr) {
+std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr,
+                           bool positions = false) {
   jit::KernelConfig kc{"sm_90", "bf16", d, dv};
+  kc.positions = positions;
   std::string log = ptxas_log(v, jit::attention_fwd_sm90_spec(kc));
   const bool fits = ptxas_stat(log, "flexc_attention_fwd_sm90", " bytes stack frame") == 0;
   if (tall) *tall = d == 64 && dv == 64 && fits;
@@ -664,17 +737,19 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
   // ptxas serializes wgmma (warnings C7513 / C7514) when registers a running wgmma uses are
   // touched; the kernel then still works but loses its overlap. Checked here, without a GPU.
   // At D 64 the 192-row tiles (three consumers of 160 registers) serve every catalogue variant.
+  // The build for a block of a longer sequence (positions) too.
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
-    for (int d : {64, 128}) {
-      bool tall = false;
-      const std::string log = hopper_fwd_log(v, d, d, &tall);
-      INFO(name << " D " << d << "\n" << log);
-      CHECK(log.find("C751") == std::string::npos);
-      // More than a few bytes would mean a loop's working set no longer fits.
-      CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
-      if (d == 64) CHECK(tall);
-    }
+    for (int d : {64, 128})
+      for (bool positions : {false, true}) {
+        bool tall = false;
+        const std::string log = hopper_fwd_log(v, d, d, &tall, positions);
+        INFO(name << " D " << d << (positions ? " positions" : "") << "\n" << log);
+        CHECK(log.find("C751") == std::string::npos);
+        // More than a few bytes would mean a loop's working set no longer fits.
+        CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
+        if (d == 64) CHECK(tall);
+      }
   }
   // score_mod's and mask_mod's per-key loads are staged in shared memory by the producer's
   // loader warps (StagedColumns): the consumers hold no registers for them, so D 64 keeps its
@@ -735,16 +810,19 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
 TEST_CASE("the backward kernel builds for every variant with bounded spills", "[attention][catalogue]") {
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
-    for (int d : {64, 128}) {
-      const std::string log = ptxas_log(v, jit::attention_bwd_spec({"sm_90", "bf16", d}));
-      INFO(name << " D " << d << "\n" << log);
-      CHECK(spill_bytes(log, "flexc_attention_bwd_prep") == 0);
-      CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
-      // dK and dV of D = 128 hold 128 registers a thread: D 128 spills a little today (at most
-      // 144 bytes, alibi with its capture gradient; docs/perf.md); D 64 at most 12 bytes
-      // (softcap's fast tanh and its derivative; alibi with the capture-gradient sink 8).
-      CHECK(spill_bytes(log, "flexc_attention_bwd") <= (d == 64 ? 12 : 160));
-    }
+    for (int d : {64, 128})
+      for (bool positions : {false, true}) {
+        jit::KernelConfig kc{"sm_90", "bf16", d};
+        kc.positions = positions;
+        const std::string log = ptxas_log(v, jit::attention_bwd_spec(kc));
+        INFO(name << " D " << d << (positions ? " positions" : "") << "\n" << log);
+        CHECK(spill_bytes(log, "flexc_attention_bwd_prep") == 0);
+        CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
+        // dK and dV of D = 128 hold 128 registers a thread: D 128 spills a little today (at
+        // most 144 bytes, alibi with its capture gradient; docs/perf.md); D 64 at most 12 bytes
+        // (softcap's fast tanh and its derivative; alibi with the capture-gradient sink 8).
+        CHECK(spill_bytes(log, "flexc_attention_bwd") <= (d == 64 ? 12 : 160));
+      }
   }
 }
 
@@ -757,22 +835,28 @@ TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous with bounded
         dsl::emit_cuda_variant(detail::emit_input(impl))
             .find("kHasCaptureGrads = true") != std::string::npos;
     for (int d : {64, 128})
-      for (bool deterministic : {false, true}) {
-        const std::string log = ptxas_log(
-            v, deterministic ? jit::attention_bwd_sm90_deterministic_spec({"sm_90", "bf16", d})
-                             : jit::attention_bwd_sm90_spec({"sm_90", "bf16", d}));
-        INFO(name << " D " << d << (deterministic ? " deterministic" : "") << "\n" << log);
-        CHECK(log.find("C751") == std::string::npos);
-        // The producer's 24 registers hold its schedule with 56-64 bytes of spills; consumers
-        // (240) spill none at D 64 but t5_bias's two instances (104 bytes since its / 8.0 became
-        // a multiply, which ptxas schedules wider: 1.6x faster all the same, docs/perf.md). At
-        // D 128 dK and dV take 128 of them: up to 296 bytes (softcap, fast float math: ptxas
-        // schedules the cheaper tanh and its derivative wider; 1.6x faster than exact's 168
-        // bytes all the same) with one consumer instance, up to 740 with the capture-gradient
-        // instance as well (t5_bias).
-        CHECK(spill_bytes(log, "flexc_attention_bwd_sm90") <=
-              (d == 64 ? (capture_grads ? 112 : 64) : capture_grads ? 800 : 320));
-      }
+      for (bool deterministic : {false, true})
+        for (bool positions : {false, true}) {
+          jit::KernelConfig kc{"sm_90", "bf16", d};
+          kc.positions = positions;
+          const std::string log =
+              ptxas_log(v, deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
+                                         : jit::attention_bwd_sm90_spec(kc));
+          INFO(name << " D " << d << (deterministic ? " deterministic" : "")
+                    << (positions ? " positions" : "") << "\n" << log);
+          CHECK(log.find("C751") == std::string::npos);
+          // The producer's 24 registers hold its schedule with 56-64 bytes of spills; consumers
+          // (240) spill none at D 64 but t5_bias's two instances (104 bytes since its / 8.0
+          // became a multiply, which ptxas schedules wider: 1.6x faster all the same,
+          // docs/perf.md). At D 128 dK and dV take 128 of them: up to 296 bytes (softcap, fast
+          // float math: ptxas schedules the cheaper tanh and its derivative wider; 1.6x faster
+          // than exact's 168 bytes all the same) with one consumer instance, up to 740 with the
+          // capture-gradient instance as well (t5_bias). The build for a block of a longer
+          // sequence (positions) holds two more offsets: up to 100 bytes at D 64
+          // (dilated_window).
+          CHECK(spill_bytes(log, "flexc_attention_bwd_sm90") <=
+                (d == 64 ? (capture_grads || positions ? 112 : 64) : capture_grads ? 800 : 320));
+        }
   }
 }
 
@@ -793,12 +877,17 @@ struct GpuCase {
   bool two_streams = false;
   int64_t Dv = 0;  // v's and the output's head dim; 0: D
   int64_t q_offset = 0;  // chunked prefill: the position of query 0
+  // A block of a longer sequence: the position of key 0 and the sequence's lengths (0: q_offset
+  // + Lq, kv_offset + Lkv).
+  int64_t kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
   // This BlockMask instead of one built from the variant, and the variant whose mask the
   // reference applies (one that says what the BlockMask's tiles say).
   const BlockMask* given_mask = nullptr;
   const Variant* reference = nullptr;
 
   int64_t dv() const { return Dv ? Dv : D; }
+  int64_t seq_q() const { return seq_q_len ? seq_q_len : q_offset + Lq; }
+  int64_t seq_kv() const { return seq_kv_len ? seq_kv_len : kv_offset + Lkv; }
   std::string describe() const {
     return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{}{}{}{}", dtype_name(dtype),
                        B, Hq, Hkv, Lq, Lkv, D, Dv ? fmt::format(" Dv {}", Dv) : "",
@@ -855,7 +944,7 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   std::vector<flexc::DeviceBuffer> dcaps;
   caps.reserve(v.captures().size());
   for (const CaptureSpec& cs : v.captures()) {
-    caps.push_back(random_capture(cs, c.B, c.Hq, c.q_offset + c.Lq, c.Lkv));
+    caps.push_back(random_capture(cs, c.B, c.Hq, c.seq_q(), c.seq_kv()));
     dcaps.emplace_back(std::max<size_t>(caps.back().bytes.size(), 16));
     dcaps.back().upload(caps.back().bytes.data(), caps.back().bytes.size());
     opts.captures[cs.name] = TensorView{dcaps.back().get(), caps.back().dtype, caps.back().shape, {}};
@@ -865,6 +954,9 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   }
   opts.params = ref.params = bmo.params = c.params;
   opts.q_offset = ref.q_offset = bmo.q_offset = c.q_offset;
+  opts.kv_offset = ref.kv_offset = bmo.kv_offset = c.kv_offset;
+  opts.seq_q_len = ref.seq_q_len = bmo.seq_q_len = c.seq_q_len;
+  opts.seq_kv_len = ref.seq_kv_len = bmo.seq_kv_len = c.seq_kv_len;
   opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
   opts.kernel = c.kernel;
   std::optional<flexc::Stream> build_stream, run_stream;
@@ -1081,12 +1173,17 @@ namespace {
 
 // Runs case `c` with its queries at position 0 and at 200 (its keys extended by as many), each
 // checked against the reference.
+// At positions 0; as a prefill chunk at q_offset 200 (keys from 0 to its end); and as a block of
+// a longer sequence (queries from 200, keys from 300, the sequence longer than both).
 void check_at_offsets(const Variant& v, GpuCase c) {
   const int64_t kv_len = c.Lkv;
-  for (int64_t q_offset : {0, 200}) {
-    c.Lkv = kv_len + q_offset;
-    c.q_offset = q_offset;
-    INFO(v.name() << ": " << c.describe() << " q_offset " << q_offset);
+  for (int at = 0; at < 3; ++at) {
+    c.q_offset = at ? 200 : 0;
+    c.Lkv = at == 1 ? kv_len + 200 : kv_len;
+    c.kv_offset = at == 2 ? 300 : 0;
+    c.seq_q_len = c.seq_kv_len = at == 2 ? std::max(c.q_offset + c.Lq, c.kv_offset + c.Lkv) + 77 : 0;
+    INFO(v.name() << ": " << c.describe() << " q_offset " << c.q_offset << " kv_offset "
+                  << c.kv_offset << " sequence " << c.seq_q() << " x " << c.seq_kv());
     const Accuracy a = run_case(v, c);
     INFO(a.summary());
     CHECK(a.pass);
@@ -1342,6 +1439,32 @@ TEST_CASE("chunked prefill: queries at q_offset match the reference and the full
     CHECK_THROWS_WITH(attention(q_chunk, kv, vv, out_view, causal, o),
                       Contains("block_mask was built with q_offset 256; the call has 257"));
   }
+}
+
+TEST_CASE("a block of a longer sequence: queries and keys at their positions match the reference",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Context parallelism (ring attention's steps): queries [q_offset, + Q_LEN) against keys
+  // [kv_offset, + KV_LEN) of a sequence whose lengths the mods see, with a BlockMask built at the
+  // same positions: length-dependent masks (bottom-right causal), captures indexed by position
+  // (document), relative biases (alibi), windows; blocks above, below and across the diagonal.
+  const char* names[] = {"causal", "sliding_window", "alibi", "document", "causal_bottom_right",
+                         "prefix_lm"};
+  const int64_t offsets[][2] = {{640, 128}, {100, 700}, {333, 333}};
+  for (FwdKernel kernel : kernels_for(128))
+    for (size_t i = 0; i < std::size(names); ++i) {
+      GpuCase c{i % 2 ? DType::F16 : DType::BF16, 2, 4, 2, 300, 250 + 37 * int64_t(i % 3),
+                i % 3 ? 128 : 64, false, 0, true, {}, kernel};
+      c.q_offset = offsets[i % 3][0], c.kv_offset = offsets[i % 3][1];
+      c.seq_q_len = c.seq_kv_len = 1200;
+      if (std::string(names[i]) == "sliding_window") c.params["window"] = 400;
+      if (std::string(names[i]) == "prefix_lm") c.params["prefix"] = 300;
+      INFO(names[i] << ": " << c.describe() << " q_offset " << c.q_offset << " kv_offset "
+                    << c.kv_offset);
+      const Accuracy a = run_case(Variant::from_catalogue(names[i]), c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
 }
 
 namespace {

@@ -224,12 +224,18 @@ struct BwdCase {
   bool broadcast = false;  // over B and H where the mask reads neither
   bool deterministic = true;
   FwdKernel kernel = FwdKernel::Auto;
+  // A block of a longer sequence (0: none): positions of query 0 and key 0, the lengths the mods
+  // see (0: offset + rows).
+  int64_t q_offset = 0, kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
 
+  int64_t seq_q() const { return seq_q_len ? seq_q_len : q_offset + Lq; }
+  int64_t seq_kv() const { return seq_kv_len ? seq_kv_len : kv_offset + Lkv; }
   std::string describe() const {
-    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{} kernel {}", dtype_name(dtype),
-                       B, Hq, Hkv, Lq, Lkv, D, block_mask ? "" : " dense",
+    return fmt::format("{} B {} Hq {} Hkv {} Q_LEN {} KV_LEN {} D {}{}{}{} kernel {} positions q {} "
+                       "kv {} of {} x {}",
+                       dtype_name(dtype), B, Hq, Hkv, Lq, Lkv, D, block_mask ? "" : " dense",
                        broadcast ? " broadcast" : "", deterministic ? " deterministic" : " atomic dq",
-                       to_string(kernel));
+                       to_string(kernel), q_offset, kv_offset, seq_q(), seq_kv());
   }
 };
 
@@ -257,13 +263,17 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   fp.batch = c.B, fp.q_heads = c.Hq, fp.kv_heads = c.Hkv, fp.q_len = c.Lq, fp.kv_len = c.Lkv;
   fp.head_dim = c.D, fp.dtype = c.dtype;
   AttentionOptions fo;
+  BlockMaskOptions bmo;
+  fp.q_offset = fo.q_offset = bmo.q_offset = c.q_offset;
+  fp.kv_offset = fo.kv_offset = bmo.kv_offset = c.kv_offset;
+  fp.seq_q_len = fo.seq_q_len = bmo.seq_q_len = c.seq_q_len;
+  fp.seq_kv_len = fo.seq_kv_len = bmo.seq_kv_len = c.seq_kv_len;
   AttentionGrads grads{tdq, tdk, tdv, {}};
   std::vector<npy::Array> caps;
   std::vector<flexc::DeviceBuffer> dcaps, dgrads;
   caps.reserve(variant.captures().size());
-  BlockMaskOptions bmo;
   for (const CaptureSpec& cs : variant.captures()) {
-    caps.push_back(random_capture(cs, c.B, c.Hq, c.Lq, c.Lkv));
+    caps.push_back(random_capture(cs, c.B, c.Hq, c.seq_q(), c.seq_kv()));
     const npy::Array& a = caps.back();
     dcaps.emplace_back(std::max<size_t>(a.bytes.size(), 16));
     dcaps.back().upload(a.bytes.data(), a.bytes.size());
@@ -290,6 +300,8 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   bo.captures = fo.captures;
   bo.deterministic = c.deterministic;
   bo.kernel = c.kernel;
+  bo.q_offset = c.q_offset, bo.kv_offset = c.kv_offset;
+  bo.seq_q_len = c.seq_q_len, bo.seq_kv_len = c.seq_kv_len;
   attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
   if (c.deterministic) {
     TensorView tdq2, tdk2, tdv2;
@@ -513,6 +525,37 @@ TEST_CASE("backward: derivatives other than 1 and learnable biases against the r
   };
   for (const Variant& v : variants)
     for (const BwdCase& c : shapes) {
+      INFO(v.name() << ": " << c.describe());
+      const BackwardAccuracy a = run_backward_case(v, c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
+}
+
+TEST_CASE("backward: a block of a longer sequence at its positions against the reference",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Ring attention's backward steps: queries [q_offset, + Q_LEN) and keys [kv_offset, + KV_LEN)
+  // of a sequence whose lengths the mods see. Captures indexed by position (document, a full
+  // [B, H, Q_LEN, KV_LEN] bias, learnable ones included), relative biases, blocks below, across
+  // and above the diagonal (the last: every row masked).
+  const std::vector<CaptureSpec> full{{"bias", "float32", {"B", "H", "Q_LEN", "KV_LEN"}}};
+  const Variant variants[] = {
+      Variant::from_catalogue("causal"), Variant::from_catalogue("alibi"),
+      Variant::from_catalogue("document"), Variant::from_catalogue("causal_bottom_right"),
+      Variant::from_strings("score + bias[b, h, q_idx, kv_idx]", "kv_idx <= q_idx", full, {},
+                            "full_bias"),
+  };
+  const int64_t at[][2] = {{512, 128}, {300, 300}, {100, 600}};
+  int i = 0;
+  for (const Variant& v : variants)
+    for (const auto& [q_offset, kv_offset] : at) {
+      BwdCase c{i % 2 ? DType::F16 : DType::BF16, 1, 4, 2, 257, 200, i % 3 ? 128 : 64};
+      c.q_offset = q_offset, c.kv_offset = kv_offset;
+      c.seq_q_len = c.seq_kv_len = 900;
+      c.deterministic = i % 2 == 0;
+      c.kernel = i % 4 < 2 ? FwdKernel::Auto : FwdKernel::Portable;
+      ++i;
       INFO(v.name() << ": " << c.describe());
       const BackwardAccuracy a = run_backward_case(v, c);
       INFO(a.summary());

@@ -91,8 +91,8 @@ std::vector<TileKind> oracle(const Variant& v, int64_t B, int64_t H, int64_t nb,
   dsl::EvalEnv env;
   env.params = p.params;
   env.captures = p.captures;
-  env.ints[int(dsl::Input::QLen)] = q_len;
-  env.ints[int(dsl::Input::KvLen)] = kv_len;
+  env.ints[int(dsl::Input::QLen)] = p.pos.seq_q_len;
+  env.ints[int(dsl::Input::KvLen)] = p.pos.seq_kv_len;
   std::vector<dsl::Value> scratch;
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t h = 0; h < nh; ++h)
@@ -100,8 +100,8 @@ std::vector<TileKind> oracle(const Variant& v, int64_t B, int64_t H, int64_t nb,
         for (int64_t k = 0; k < kv_len; ++k) {
           env.ints[int(dsl::Input::B)] = b;
           env.ints[int(dsl::Input::H)] = h;
-          env.ints[int(dsl::Input::QIdx)] = q;
-          env.ints[int(dsl::Input::KvIdx)] = k;
+          env.ints[int(dsl::Input::QIdx)] = p.pos.q_offset + q;
+          env.ints[int(dsl::Input::KvIdx)] = p.pos.kv_offset + k;
           const bool t = dsl::evaluate(*p.mask, env, dsl::Precision::F32, scratch).i != 0;
           seen[((b * nh + h) * nqt + q / q_tile) * nkt + k / kv_tile] |= t ? 1 : 2;
         }
@@ -162,11 +162,23 @@ bool same(const BlockMask& a, const BlockMask& b) {
 
 struct Shape {
   int64_t B, H, q_len, kv_len, q_tile, kv_tile;
+  // A block of a longer sequence (BlockMaskOptions' positions; 0: none).
+  int64_t q_offset = 0, kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
+
+  int64_t seq_q() const { return seq_q_len ? seq_q_len : q_offset + q_len; }
+  int64_t seq_kv() const { return seq_kv_len ? seq_kv_len : kv_offset + kv_len; }
+  // Options with these tiles and positions.
+  void apply(BlockMaskOptions& o) const {
+    o.q_tile = q_tile, o.kv_tile = kv_tile;
+    o.q_offset = q_offset, o.kv_offset = kv_offset;
+    o.seq_q_len = seq_q_len, o.seq_kv_len = seq_kv_len;
+  }
 };
 
 std::string describe(const std::string& name, const Shape& s) {
-  return fmt::format("{}: B={} H={} q_len={} kv_len={} tiles {}x{}", name, s.B, s.H, s.q_len,
-                     s.kv_len, s.q_tile, s.kv_tile);
+  return fmt::format("{}: B={} H={} q_len={} kv_len={} tiles {}x{} positions q {} kv {} of {} x {}",
+                     name, s.B, s.H, s.q_len, s.kv_len, s.q_tile, s.kv_tile, s.q_offset,
+                     s.kv_offset, s.seq_q(), s.seq_kv());
 }
 
 // The sizes the issue names, plus random ones; q_len != kv_len in most.
@@ -183,6 +195,12 @@ std::vector<Shape> shapes() {
     out.push_back(s);
   }
   out.push_back({1, 1, 1000, 1000, 128, 128});
+  // A block of a longer sequence, at positions that are not tile-aligned.
+  Shape block{uniform(1, 2), uniform(1, 2), uniform(1, 300), uniform(1, 300), 128, 128};
+  block.q_offset = uniform(0, 400), block.kv_offset = uniform(0, 400);
+  block.seq_q_len = block.q_offset + block.q_len + uniform(0, 100);
+  block.seq_kv_len = block.kv_offset + block.kv_len + uniform(0, 100);
+  out.push_back(block);
   return out;
 }
 
@@ -208,10 +226,10 @@ TEST_CASE("analytic == brute force == oracle for every catalogue mask", "[blockm
     const Variant v = Variant::from_catalogue(name);
     for (const Shape& s : shapes()) {
       INFO(describe(name, s));
-      Captures caps = random_captures(v, s.B, s.H, s.q_len, s.kv_len);
+      Captures caps = random_captures(v, s.B, s.H, s.seq_q(), s.seq_kv());
       BlockMaskOptions o = small_params(v);
       o.captures = caps.data;
-      o.q_tile = s.q_tile, o.kv_tile = s.kv_tile;
+      s.apply(o);
       o.device = BuildDevice::Cpu;
       const BlockMask fast = create_block_mask(v, s.B, s.H, s.q_len, s.kv_len, o);
       o.analytic = false;
@@ -262,6 +280,51 @@ TEST_CASE("a BlockMask at q_offset: the full mask's rows there, analytic == brut
   o.q_offset = -1;
   CHECK_THROWS_WITH(create_block_mask(Variant::from_catalogue("causal"), 1, 1, 16, 16, o),
                     Catch::Matchers::Contains("q_offset = -1 must be >= 0"));
+}
+
+TEST_CASE("a BlockMask of a block of a longer sequence: the whole mask's tiles there",
+          "[blockmask]") {
+  // Context parallelism (ring attention): rows at q_offset + r, columns at kv_offset + c, the
+  // mods seeing the whole sequence's lengths. For tile-aligned blocks the block's tiles are the
+  // whole sequence's mask's (captures indexed by position and length-dependent masks included);
+  // the random shapes above check unaligned positions against brute force and the oracle.
+  for (const std::string& name : Variant::catalogue_names()) {
+    const Variant v = Variant::from_catalogue(name);
+    const int64_t seq = 128 * uniform(4, 9) - uniform(0, 127);
+    const int64_t q_len = 128 * uniform(1, 2), kv_len = 128 * uniform(1, 2);
+    const int64_t q_off = 128 * uniform(0, (seq - q_len) / 128);
+    const int64_t kv_off = 128 * uniform(0, (seq - kv_len) / 128);
+    INFO(name << " seq " << seq << " q [" << q_off << ", +" << q_len << ") kv [" << kv_off << ", +"
+              << kv_len << ")");
+    Captures caps = random_captures(v, 1, 2, seq, seq);
+    BlockMaskOptions o = small_params(v);
+    o.captures = caps.data;
+    o.device = BuildDevice::Cpu;
+    const BlockMask whole = create_block_mask(v, 1, 2, seq, seq, o);
+    o.q_offset = q_off, o.kv_offset = kv_off, o.seq_q_len = seq, o.seq_kv_len = seq;
+    const BlockMask block = create_block_mask(v, 1, 2, q_len, kv_len, o);
+    CHECK(block.kv_offset() == kv_off);
+    CHECK(block.seq_q_len() == seq);
+    int64_t differ = 0;
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t qt = 0; qt < block.num_q_tiles(); ++qt)
+        for (int64_t kt = 0; kt < block.num_kv_tiles(); ++kt)
+          differ += block.tile(0, h, qt, kt) !=
+                    whole.tile(0, h, qt + q_off / 128, kt + kv_off / 128);
+    CHECK(differ == 0);
+  }
+  // Positions that do not fit their sequence are named.
+  const Variant causal = Variant::from_catalogue("causal");
+  BlockMaskOptions o;
+  o.kv_offset = -3;
+  CHECK_THROWS_WITH(create_block_mask(causal, 1, 1, 16, 16, o),
+                    Catch::Matchers::Contains("kv_offset = -3 must be >= 0"));
+  o.kv_offset = 10, o.seq_kv_len = 20;
+  CHECK_THROWS_WITH(create_block_mask(causal, 1, 1, 16, 16, o),
+                    Catch::Matchers::Contains("seq_kv_len = 20 must hold kv_offset + KV_LEN = 26"));
+  o.seq_kv_len = 0, o.seq_q_len = 15;
+  CHECK_THROWS_WITH(create_block_mask(causal, 1, 1, 16, 16, o),
+                    Catch::Matchers::Contains("seq_q_len = 15 must hold q_offset + Q_LEN = 16"));
 }
 
 TEST_CASE("the analysis decides every tile off the boundary of linear masks", "[blockmask]") {
@@ -698,10 +761,10 @@ TEST_CASE("GPU builder == CPU reference over the catalogue", "[blockmask][gpu]")
     all.push_back({2, 3, uniform(2000, 5000), uniform(2000, 5000), 128, 64});
     for (const Shape& s : all) {
       INFO(describe(name, s));
-      Captures caps = random_captures(v, s.B, s.H, s.q_len, s.kv_len);
+      Captures caps = random_captures(v, s.B, s.H, s.seq_q(), s.seq_kv());
       BlockMaskOptions o = small_params(v);
       o.captures = caps.data;
-      o.q_tile = s.q_tile, o.kv_tile = s.kv_tile;
+      s.apply(o);
       o.device = BuildDevice::Cpu;  // analytic: the CI tests check it against brute force
       const BlockMask ref = create_block_mask(v, s.B, s.H, s.q_len, s.kv_len, o);
       o.device = BuildDevice::Gpu;

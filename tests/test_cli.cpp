@@ -172,8 +172,11 @@ TEST_CASE("decode options of flexc run are checked before the GPU is needed", "[
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12 --splits 300", "--splits");
   refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12 --backward",
           "--backward is not part of the decode path");
-  refused("run @noop --random 1,2,2,1,64,64 --q-offsets 12 --backward",
-          "--backward with --q-offsets: chunked prefill is forward-only");
+  refused("run @noop --random 1,2,2,1,64,64 --seq-lens 100",
+          "--seq-lens: expected Q,KV, the sequence's two lengths");
+  refused("run @noop --random 1,2,2,1,64,64 --seq-lens 100,0", "--seq-lens '100,0'");
+  refused("run @noop --random 1,2,2,1,64,64 --kv-lens 12 --kv-offset 5",
+          "--kv-offset is for a block of a longer sequence, not the decode path (--kv-lens)");
 }
 
 TEST_CASE("precision on the command line overrides a config's, and is fast or exact", "[cli]") {

@@ -14,6 +14,7 @@
 #include "test_tensors.h"
 
 using flexc::testing::round16;
+using flexc::testing::rows_of;
 
 using namespace flexc;
 using flexc::testing::normal;
@@ -173,6 +174,78 @@ TEST_CASE("the backward reference: masked rows, ref's rounding, given out and ls
   bp.dout = std::span<const float>(c.dout).first(3);
   CHECK_THROWS_WITH(reference_attention_backward(late, bp),
                     "reference backward for 'late': dout has 3 values; its shape needs 320");
+}
+
+TEST_CASE("the backward reference at positions: the blocks' gradients sum to the sequence's",
+          "[reference]") {
+  // Ring attention's backward: each (query block, key block) pair at its global positions,
+  // given the whole sequence's out and LSE rows of its queries. dq of a query block is the sum
+  // over key blocks, dk and dv of a key block the sum over query blocks, and a learnable
+  // capture's gradient the sum over all blocks (a per-head slope and a per-position bias here).
+  const int64_t B = 1, Hq = 4, Hkv = 2, L = 24, D = 8;
+  const Variant v = Variant::from_strings(
+      "score + slope[h] * (kv_idx - q_idx) + kvb[kv_idx]", "q_idx >= kv_idx",
+      {{"slope", "float32", {"H"}}, {"kvb", "float32", {"KV_LEN"}}}, {}, "blocks");
+  const std::vector<float> q = normal(B * Hq * L * D, DType::BF16),
+                           k = normal(B * Hkv * L * D, DType::BF16),
+                           vv = normal(B * Hkv * L * D, DType::BF16),
+                           dout = normal(B * Hq * L * D, DType::BF16),
+                           dlse = normal(B * Hq * L, DType::BF16);
+  const std::vector<float> slope = normal(Hq, DType::BF16, 0.5f), kvb = normal(L, DType::BF16);
+  auto problem = [&](int64_t q0, int64_t nq, int64_t k0, int64_t nk) {
+    ReferenceProblem p;
+    p.batch = B, p.q_heads = Hq, p.kv_heads = Hkv, p.q_len = nq, p.kv_len = nk, p.head_dim = D;
+    p.q_offset = q0, p.kv_offset = k0, p.seq_q_len = L, p.seq_kv_len = L;
+    p.captures["slope"] = TensorView::contiguous(slope.data(), DType::F32, {Hq});
+    p.captures["kvb"] = TensorView::contiguous(kvb.data(), DType::F32, {L});
+    return p;
+  };
+  ReferenceProblem wp = problem(0, L, 0, L);
+  wp.q = q, wp.k = k, wp.v = vv;
+  const ReferenceResult f = reference_attention(v, wp);
+  const std::vector<float> out = as_float(f.gold_out), lse = as_float(f.gold_lse);
+  ReferenceBackwardProblem wbp;
+  wbp.forward = wp;
+  wbp.dout = dout, wbp.dlse = dlse, wbp.out = out, wbp.lse = lse;
+  const ReferenceBackward want = reference_attention_backward(v, wbp);
+
+  std::vector<double> dq(want.dq.gold.size(), 0), dk(want.dk.gold.size(), 0),
+      dv(want.dv.gold.size(), 0), dslope(Hq, 0), dkvb(L, 0);
+  const std::pair<int64_t, int64_t> blocks[] = {{0, 10}, {10, 14}};
+  for (auto [q0, nq] : blocks)
+    for (auto [k0, nk] : blocks) {
+      ReferenceBackwardProblem bp;
+      bp.forward = problem(q0, nq, k0, nk);
+      const std::vector<float> bq = rows_of(q, B * Hq, L, D, q0, nq),
+                               bk = rows_of(k, B * Hkv, L, D, k0, nk),
+                               bv = rows_of(vv, B * Hkv, L, D, k0, nk),
+                               bdout = rows_of(dout, B * Hq, L, D, q0, nq),
+                               bout = rows_of(out, B * Hq, L, D, q0, nq),
+                               blse = rows_of(lse, B * Hq, L, 1, q0, nq),
+                               bdlse = rows_of(dlse, B * Hq, L, 1, q0, nq);
+      bp.forward.q = bq, bp.forward.k = bk, bp.forward.v = bv;
+      bp.dout = bdout, bp.out = bout, bp.lse = blse, bp.dlse = bdlse;
+      const ReferenceBackward g = reference_attention_backward(v, bp);
+      for (int64_t bh = 0; bh < B * Hq; ++bh)
+        for (int64_t i = 0; i < nq * D; ++i) dq[(bh * L + q0) * D + i] += g.dq.gold[bh * nq * D + i];
+      for (int64_t bh = 0; bh < B * Hkv; ++bh)
+        for (int64_t i = 0; i < nk * D; ++i) {
+          dk[(bh * L + k0) * D + i] += g.dk.gold[bh * nk * D + i];
+          dv[(bh * L + k0) * D + i] += g.dv.gold[bh * nk * D + i];
+        }
+      for (int64_t h = 0; h < Hq; ++h) dslope[h] += g.captures.at("slope").gold[h];
+      for (int64_t j = 0; j < L; ++j) dkvb[j] += g.captures.at("kvb").gold[j];
+    }
+  const auto max_diff = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double m = 0;
+    for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+    return m;
+  };
+  CHECK(max_diff(dq, want.dq.gold) < 1e-10);
+  CHECK(max_diff(dk, want.dk.gold) < 1e-10);
+  CHECK(max_diff(dv, want.dv.gold) < 1e-10);
+  CHECK(max_diff(dslope, want.captures.at("slope").gold) < 1e-10);
+  CHECK(max_diff(dkvb, want.captures.at("kvb").gold) < 1e-10);
 }
 
 TEST_CASE("the gradient tolerance rule", "[reference]") {

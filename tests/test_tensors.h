@@ -27,6 +27,17 @@ inline std::vector<float> normal(size_t n, DType d, float sd = 1.f) {
   return v;
 }
 
+// Rows [r0, r0 + n) of every (batch, head) of a [B, H, L, d] tensor, as a [B, H, n, d] one.
+template <class T>
+std::vector<T> rows_of(const std::vector<T>& x, int64_t BH, int64_t L, int64_t d, int64_t r0,
+                       int64_t n) {
+  std::vector<T> out;
+  out.reserve(BH * n * d);
+  for (int64_t bh = 0; bh < BH; ++bh)
+    out.insert(out.end(), x.begin() + (bh * L + r0) * d, x.begin() + (bh * L + r0 + n) * d);
+  return out;
+}
+
 // The shape of case i of variant vi in a catalogue sweep over `lens`: dtypes and head dims 64 /
 // 128 alternate, q lengths walk `lens` and kv lengths a rotation of it (equal once per variant),
 // GQA 1 and 4, B 2 where Q_LEN * KV_LEN is small.

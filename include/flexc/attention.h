@@ -51,11 +51,19 @@ struct AttentionOptions {
   std::optional<TensorView> lse;
   CUstream_st* stream = nullptr;  // the caller's stream; nullptr: the legacy default stream
   FwdKernel kernel = FwdKernel::Auto;
-  // Chunked prefill: query i sits at position q_offset + i of its sequence, whose keys are k and
-  // v's KV_LEN (the cache up to the chunk's end, say). The mods see q_idx = q_offset + i and
-  // q_len = q_offset + Q_LEN; captures' Q_LEN dims take q_offset + Q_LEN; the BlockMask must be
-  // built with the same BlockMaskOptions::q_offset. (flexc::decode takes per-sequence offsets.)
+  // Positions. Chunked prefill: query i sits at position q_offset + i of its sequence, whose keys
+  // are k and v's KV_LEN (the cache up to the chunk's end, say). The mods see q_idx = q_offset + i
+  // and q_len = q_offset + Q_LEN; captures' Q_LEN dims take q_offset + Q_LEN. (flexc::decode
+  // takes per-sequence offsets.)
   int64_t q_offset = 0;
+  // A block of a longer sequence (context parallelism; flexc's ring attention computes one per
+  // step): key j sits at position kv_offset + j, and the mods see the sequence's lengths, q_len
+  // = seq_q_len and kv_len = seq_kv_len, which captures' Q_LEN / KV_LEN dims take too (0:
+  // q_offset + Q_LEN and kv_offset + KV_LEN). With LSE, the blocks' results merge into the whole
+  // sequence's (docs/attention.md, "Blocks of a longer sequence"). The BlockMask must be built
+  // with the same four BlockMaskOptions fields.
+  int64_t kv_offset = 0;
+  int64_t seq_q_len = 0, seq_kv_len = 0;
 };
 
 // Enqueues the kernel on opts.stream (compiling it on first use: later calls with the same
@@ -76,7 +84,7 @@ struct AttentionGrads {
 };
 
 struct BackwardOptions {
-  // The same BlockMask, captures, params and scale as the forward call.
+  // The same BlockMask, captures, params, scale and positions as the forward call.
   const BlockMask* block_mask = nullptr;
   std::map<std::string, TensorView, std::less<>> captures;
   std::map<std::string, double, std::less<>> params;
@@ -97,6 +105,10 @@ struct BackwardOptions {
   // on a GPU of compute capability 9.0 for head dims 64 and 128 with BlockMask tiles that are
   // multiples of 64 x 128 (the default 128 x 128 is), the portable one (mma.sync) otherwise.
   FwdKernel kernel = FwdKernel::Auto;
+  // Positions, as AttentionOptions has them: the gradients of one block of a longer sequence,
+  // given the whole sequence's out and LSE rows of these queries (ring attention's backward).
+  int64_t q_offset = 0, kv_offset = 0;
+  int64_t seq_q_len = 0, seq_kv_len = 0;
 };
 
 // The backward pass of flexc::attention: given the forward's inputs, its output `out` and its

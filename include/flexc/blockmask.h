@@ -45,9 +45,11 @@ enum class BuildDevice { Auto, Cpu, Gpu };  // Auto: the GPU when one is present
 
 struct BlockMaskOptions {
   int64_t q_tile = 128, kv_tile = 128;
-  // The position of query row 0 (chunked prefill, AttentionOptions::q_offset): mask_mod sees
-  // q_idx = q_offset + row and q_len = q_offset + Q_LEN. Must match the attention call's.
-  int64_t q_offset = 0;
+  // Positions (AttentionOptions' fields of the same names; they must match the call's): mask_mod
+  // sees q_idx = q_offset + row, kv_idx = kv_offset + column, q_len = seq_q_len and kv_len =
+  // seq_kv_len (0: q_offset + Q_LEN, kv_offset + KV_LEN).
+  int64_t q_offset = 0, kv_offset = 0;
+  int64_t seq_q_len = 0, seq_kv_len = 0;
   // Runtime param values by name; a param left out takes its declared default.
   std::map<std::string, double, std::less<>> params;
   // The captures mask_mod reads, by name (others are ignored).
@@ -101,7 +103,12 @@ class BlockMask {
   int64_t nh() const;
   int64_t q_len() const;
   int64_t kv_len() const;
-  int64_t q_offset() const;  // BlockMaskOptions::q_offset (0 for from_kv_blocks)
+  // BlockMaskOptions' positions, the sequence lengths resolved (from_kv_blocks: 0, 0, Q_LEN,
+  // KV_LEN).
+  int64_t q_offset() const;
+  int64_t kv_offset() const;
+  int64_t seq_q_len() const;
+  int64_t seq_kv_len() const;
   int64_t q_tile() const;
   int64_t kv_tile() const;
   int64_t num_q_tiles() const;

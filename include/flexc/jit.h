@@ -34,6 +34,9 @@ struct KernelBuild {
   std::string dtype = "bf16";  // the attention kernels' input type: "bf16" or "fp16"
   int head_dim = 128;          // q's and k's
   int v_head_dim = 0;          // v's and the output's (forward kernels only); 0: head_dim
+  // The attention kernels' build for a block of a longer sequence (keys at an offset, the
+  // sequence's lengths given: ring attention), which such calls run (docs/attention.md).
+  bool positions = false;
 };
 
 struct CompiledKernel {

@@ -39,9 +39,11 @@ struct ReferenceProblem {
   // after the last query, kv_len = kv_lens[b]; captures' Q_LEN dims take KV_LEN. A query at a
   // position outside [0, KV_LEN) has no keys.
   std::vector<int64_t> kv_lens, q_offsets;
-  // Chunked prefill (AttentionOptions::q_offset; without kv_lens): query i sits at position
-  // q_offset + i, the mods' q_len is q_offset + Q_LEN, and captures' Q_LEN dims take it.
-  int64_t q_offset = 0;
+  // Positions without kv_lens, as AttentionOptions has them: query i sits at q_offset + i (chunked
+  // prefill), key j at kv_offset + j, and the mods and captures' dims see the lengths seq_q_len
+  // and seq_kv_len (0: q_offset + Q_LEN, kv_offset + KV_LEN).
+  int64_t q_offset = 0, kv_offset = 0;
+  int64_t seq_q_len = 0, seq_kv_len = 0;
 };
 
 struct ReferenceResult {

@@ -283,6 +283,9 @@ PYBIND11_MODULE(_flexc, m) {
         return py::make_tuple(b.q_tile(), b.kv_tile());
       })
       .def_property_readonly("q_offset", &BlockMask::q_offset)
+      .def_property_readonly("kv_offset", &BlockMask::kv_offset)
+      .def_property_readonly("seq_q_len", &BlockMask::seq_q_len)
+      .def_property_readonly("seq_kv_len", &BlockMask::seq_kv_len)
       .def_property_readonly("num_tiles", [](const BlockMask& b) {
         return py::make_tuple(b.num_q_tiles(), b.num_kv_tiles());
       })
@@ -307,9 +310,10 @@ PYBIND11_MODULE(_flexc, m) {
          const std::map<std::string, py::buffer>& captures,
          const std::map<std::string, double>& params, int64_t q_tile, int64_t kv_tile,
          int64_t q_offset, const std::string& device, const py::dict& device_captures,
-         std::optional<int64_t> stream) {
+         std::optional<int64_t> stream, int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
         BlockMaskOptions o;
-        o.q_tile = q_tile, o.kv_tile = kv_tile, o.q_offset = q_offset;
+        o.q_tile = q_tile, o.kv_tile = kv_tile, o.q_offset = q_offset, o.kv_offset = kv_offset;
+        o.seq_q_len = seq_q_len, o.seq_kv_len = seq_kv_len;
         if (device == "cpu") o.device = BuildDevice::Cpu;
         else if (device == "gpu") o.device = BuildDevice::Gpu;
         else if (device == "auto") o.device = BuildDevice::Auto;
@@ -343,10 +347,12 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("params") = std::map<std::string, double>{}, py::arg("q_tile") = 128,
       py::arg("kv_tile") = 128, py::arg("q_offset") = 0, py::arg("device") = "cpu",
       py::arg("device_captures") = py::dict(), py::arg("stream") = py::none(),
+      py::arg("kv_offset") = 0, py::arg("seq_q_len") = 0, py::arg("seq_kv_len") = 0,
       "The variant's BlockMask: interval analysis on the CPU, then the undecided tiles element by "
       "element on the CPU (device='cpu') or the GPU ('gpu', enqueued on `stream`). Captures: "
       "numpy arrays in their declared dtype (bf16 as uint16 bits); device_captures: the same "
-      "tensors on the GPU (DLPack), read by a GPU build.");
+      "tensors on the GPU (DLPack), read by a GPU build. q_offset, kv_offset, seq_q_len, "
+      "seq_kv_len: the positions of a block of a longer sequence, as attention() takes them.");
 
   py::class_<RingBlock>(m, "RingBlock")
       .def_readonly("kv_rank", &RingBlock::kv_rank)
@@ -452,7 +458,7 @@ PYBIND11_MODULE(_flexc, m) {
          const BlockMask* block_mask, const py::dict& captures,
          const std::map<std::string, double>& params, std::optional<double> scale,
          py::handle lse, std::optional<int64_t> stream, const std::string& kernel,
-         int64_t q_offset) {
+         int64_t q_offset, int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
         const Stream st(stream);
         Borrowed b;
         AttentionOptions o;
@@ -460,7 +466,8 @@ PYBIND11_MODULE(_flexc, m) {
         o.block_mask = block_mask;
         if (!lse.is_none()) o.lse = b.view(lse, "lse", st.dlpack, true);
         o.kernel = parse_fwd_kernel(kernel);
-        o.q_offset = q_offset;
+        o.q_offset = q_offset, o.kv_offset = kv_offset;
+        o.seq_q_len = seq_q_len, o.seq_kv_len = seq_kv_len;
         const TensorView tq = b.view(q, "q", st.dlpack, true), tk = b.view(k, "k", st.dlpack, true),
                          tv = b.view(v, "v", st.dlpack, true),
                          to = b.view(out, "out", st.dlpack, true);
@@ -471,10 +478,12 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("block_mask") = nullptr, py::arg("captures") = py::dict(),
       py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
       py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("kernel") = "auto",
-      py::arg("q_offset") = 0,
+      py::arg("q_offset") = 0, py::arg("kv_offset") = 0, py::arg("seq_q_len") = 0,
+      py::arg("seq_kv_len") = 0,
       "flexc::attention on CUDA tensors: q [B, Hq, Q_LEN, D], k / v [B, Hkv, KV_LEN, D / Dv], out "
       "[B, Hq, Q_LEN, Dv] (bf16 / fp16), lse float32 [B, Hq, Q_LEN]; enqueued on `stream` (an int "
-      "cudaStream_t; None: the legacy default stream). docs/attention.md.");
+      "cudaStream_t; None: the legacy default stream). q_offset, kv_offset, seq_q_len, "
+      "seq_kv_len: positions (chunked prefill; a block of a longer sequence). docs/attention.md.");
 
   m.def(
       "attention_backward",
@@ -483,10 +492,13 @@ PYBIND11_MODULE(_flexc, m) {
          const BlockMask* block_mask, const py::dict& captures, const py::dict& capture_grads,
          const std::map<std::string, double>& params, std::optional<double> scale,
          py::handle dlse, std::optional<int64_t> stream, std::optional<bool> deterministic,
-         const std::string& kernel, const py::object& workspace) {
+         const std::string& kernel, const py::object& workspace, int64_t q_offset,
+         int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
         const Stream st(stream);
         Borrowed b;
         BackwardOptions o;
+        o.q_offset = q_offset, o.kv_offset = kv_offset;
+        o.seq_q_len = seq_q_len, o.seq_kv_len = seq_kv_len;
         set_common(o, b, st, captures, params, scale);
         o.workspace = workspace_from(workspace);
         o.block_mask = block_mask;
@@ -510,10 +522,11 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("capture_grads") = py::dict(), py::arg("params") = std::map<std::string, double>{},
       py::arg("scale") = py::none(), py::arg("dlse") = py::none(), py::arg("stream") = py::none(),
       py::arg("deterministic") = py::none(), py::arg("kernel") = "auto",
-      py::arg("workspace") = py::none(),
+      py::arg("workspace") = py::none(), py::arg("q_offset") = 0, py::arg("kv_offset") = 0,
+      py::arg("seq_q_len") = 0, py::arg("seq_kv_len") = 0,
       "flexc::attention_backward on CUDA tensors: writes dq, dk, dv and adds into the float32 "
       "capture_grads (docs/attention.md). workspace: a callable (bytes -> device pointer kept "
-      "valid on the stream) for the temporaries; None: flexc's pool.");
+      "valid on the stream) for the temporaries; None: flexc's pool. Positions as attention()'s.");
 
   m.def(
       "decode",

@@ -62,6 +62,14 @@ def test_block_mask_causal_tiles_and_lists():
     chunk = flexc.create_block_mask(causal, 1, 1, 300, 1000, q_offset=256)
     assert chunk.q_offset == 256
     assert [chunk.tile(0, 0, 0, k) for k in range(8)] == [m.tile(0, 0, 2, k) for k in range(8)]
+    # A block of the sequence (context parallelism): queries 512.., keys 256.. of its 1024.
+    block = flexc.create_block_mask(causal, 1, 1, 256, 512, q_offset=512, kv_offset=256,
+                                    seq_q_len=1024, seq_kv_len=1024)
+    assert (block.kv_offset, block.seq_q_len, block.seq_kv_len) == (256, 1024, 1024)
+    assert [[block.tile(0, 0, q, k) for k in range(4)] for q in range(2)] == \
+        [[m.tile(0, 0, 4 + q, 2 + k) for k in range(4)] for q in range(2)]
+    with pytest.raises(flexc.Error, match="seq_kv_len = 700 must hold kv_offset"):
+        flexc.create_block_mask(causal, 1, 1, 256, 512, kv_offset=256, seq_kv_len=700)
 
 
 def test_block_mask_with_captures_and_params():

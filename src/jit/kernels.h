@@ -19,6 +19,9 @@ struct KernelConfig {
   int v_head_dim = 0;  // v's and the output's (the forward kernels); 0: head_dim
   int block_m = 0;     // the Hopper forward kernel's q tile rows; 0: the head dims' default
   bool persistent = false;  // the Hopper forward kernel: a CTA per SM looping over work items
+  // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
+  // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
+  bool positions = false;
 };
 
 struct KnownKernel {

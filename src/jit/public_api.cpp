@@ -48,8 +48,11 @@ CompiledKernel to_compiled_kernel(Compiled c, std::string arch) {
 std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const KernelBuild> builds,
                                             bool use_cache) {
   std::vector<jit::KernelSpec> specs;
-  for (const KernelBuild& b : builds)
-    specs.push_back(jit::find_kernel(b.kernel).spec({b.arch, b.dtype, b.head_dim, b.v_head_dim}));
+  for (const KernelBuild& b : builds) {
+    jit::KernelConfig cfg{b.arch, b.dtype, b.head_dim, b.v_head_dim};
+    cfg.positions = b.positions;
+    specs.push_back(jit::find_kernel(b.kernel).spec(cfg));
+  }
   std::vector<CompiledKernel> out;
   std::vector<jit::Compiled> compiled = jit::compile_all(v, specs, {.use_cache = use_cache});
   for (size_t i = 0; i < compiled.size(); ++i)

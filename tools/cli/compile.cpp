@@ -31,7 +31,7 @@ struct Options {
   std::string arch, dtype = "bf16", kernels = "all", out_dir, emit, precision;
   std::string gate_dtype = "float32";  // linear-attention configs' gates
   int head_dim = 128, v_head_dim = 0;
-  bool timings = false;
+  bool timings = false, positions = false;
 };
 
 // A comma-separated list; an empty list or item is an error naming the option.
@@ -74,10 +74,10 @@ void run(const Options& o) {
   std::vector<KernelBuild> builds;
   if (o.kernels == "all")
     for (const KernelInfo& k : kernel_templates(o.arch.empty() ? current_arch() : o.arch))
-      builds.push_back({k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim});
+      builds.push_back({k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions});
   else
     for (const std::string& name : split(o.kernels, "--kernel"))
-      builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim});
+      builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions});
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
   for (const std::string& e : o.emit.empty() ? std::vector<std::string>{} : split(o.emit, "--emit")) {
@@ -172,6 +172,9 @@ const Register reg{
                     "kernels: gla, gla_backward, gla_feature_map with a feature map; --head-dim and --v-head-dim are DK and DV)")
           ->capture_default_str();
       c->add_flag("--timings", o->timings, "print NVRTC and total times");
+      c->add_flag("--positions", o->positions,
+                  "the attention kernels' build for a block of a longer sequence (keys at an "
+                  "offset, the sequence's lengths given), which ring attention runs");
       add_precision_option(c, o->precision);
       c->callback([o] { run(*o); });
     }};

@@ -48,6 +48,8 @@ struct Options {
   std::string kernel = "auto";
   std::string kv_lens, q_offsets;  // decode: comma lists, one value or one per batch
   int64_t page_size = 0, splits = 0;
+  int64_t kv_offset = 0;  // a block of a longer sequence, with --seq-lens Q,KV
+  std::string seq_lens;
 };
 
 // A --kv-lens / --q-offsets list: one value for every batch, or one per batch.
@@ -277,8 +279,17 @@ void run(const Options& o) {
     if (o.page_size & (o.page_size - 1))
       throw Error(fmt::format("--page-size {} must be a power of two", o.page_size));
   }
-  if (o.backward && !o.q_offsets.empty())
-    throw Error("--backward with --q-offsets: chunked prefill is forward-only");
+  // A block of a longer sequence: keys at --kv-offset, the mods seeing --seq-lens.
+  int64_t seq_q_len = 0, seq_kv_len = 0;
+  if (!o.seq_lens.empty()) {
+    const std::vector<int64_t> lens = parse_list(o.seq_lens, "--seq-lens", 1);
+    if (lens.size() != 2) throw Error("--seq-lens: expected Q,KV, the sequence's two lengths");
+    seq_q_len = lens[0], seq_kv_len = lens[1];
+  }
+  if (!o.kv_lens.empty() && (o.kv_offset != 0 || !o.seq_lens.empty()))
+    throw Error(fmt::format("{} is for a block of a longer sequence, not the decode path "
+                            "(--kv-lens)",
+                            o.kv_offset != 0 ? "--kv-offset" : "--seq-lens"));
   std::vector<int64_t> sizes;
   if (!o.random.empty()) sizes = parse_sizes(o.random);
   if (!flexc::gpu_available())
@@ -329,6 +340,9 @@ void run(const Options& o) {
   opts.scale = o.scale;
   opts.kernel = kernel;
   opts.q_offset = bmo.q_offset = ref.q_offset = q_offset;
+  opts.kv_offset = bmo.kv_offset = ref.kv_offset = o.kv_offset;
+  opts.seq_q_len = bmo.seq_q_len = ref.seq_q_len = seq_q_len;
+  opts.seq_kv_len = bmo.seq_kv_len = ref.seq_kv_len = seq_kv_len;
   ref.q = q.values, ref.k = k.values, ref.v = v.values;
   ref.batch = B, ref.q_heads = Hq, ref.kv_heads = Hkv, ref.q_len = Lq, ref.kv_len = Lkv;
   ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
@@ -411,6 +425,8 @@ void run(const Options& o) {
   bo.scale = o.scale;
   if (o.atomic_dq || o.deterministic) bo.deterministic = o.deterministic;
   bo.kernel = kernel;
+  bo.q_offset = opts.q_offset, bo.kv_offset = opts.kv_offset;
+  bo.seq_q_len = opts.seq_q_len, bo.seq_kv_len = opts.seq_kv_len;
   const TensorView out_view = view(out_dev, out_shape), dout_view = view(dout_dev, out_shape);
   // Twice, each from zeroed capture gradients: the first compiles, the second is timed.
   double bwd_first_ms = 0, bwd_ms = 0;
@@ -522,7 +538,14 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--q-offsets", o->q_offsets,
                   "the position of each sequence's first query: with --kv-lens one value or one "
                   "per batch (default: kv_len - Q_LEN, the sequence's last tokens); without, one "
-                  "value, the forward's chunked prefill (default 0)");
+                  "value, the position of the first query (chunked prefill; default 0)");
+  cmd->add_option("--kv-offset", o->kv_offset,
+                  "the position of the first key: a block of a longer sequence (forward and "
+                  "backward; default 0)")
+      ->check(int_range(0, kMaxInt32));
+  cmd->add_option("--seq-lens", o->seq_lens,
+                  "Q,KV: the lengths of the sequence the block belongs to, which the mods and the "
+                  "captures' Q_LEN / KV_LEN dims see (default: the queries' and the keys' ends)");
   cmd->add_option("--page-size", o->page_size,
                   "with --kv-lens: a paged cache of this many keys per page (a power of two), "
                   "through a shuffled page table")

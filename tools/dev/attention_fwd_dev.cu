@@ -203,6 +203,7 @@ Run run(const Problem& pr, int reps) {
   strides(c, c.Hkv, c.Lkv, p.v_stride);
   strides(c, c.Hq, c.Lq, p.o_stride);
   p.batch = c.B, p.q_heads = c.Hq, p.kv_heads = c.Hkv, p.q_len = c.Lq, p.kv_len = c.Lkv;
+  p.hook_q_len = c.Lq, p.hook_kv_len = c.Lkv;
   p.scale = 1.f / std::sqrt(static_cast<float>(kD));
   p.scale_log2 = p.scale * 1.4426950408889634f;
   CK(cudaFuncSetAttribute(flexc_attention_fwd, cudaFuncAttributeMaxDynamicSharedMemorySize,

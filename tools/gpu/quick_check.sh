@@ -28,6 +28,8 @@ for kernel in ${KERNELS:-hopper portable}; do
 @sliding_window 1,4,4,4096,4096,128 --param window=300
 @alibi 1,4,4,4096,4096,128 --capture slope=@tmp/slope.npy
 @document 1,4,4,1000,1000,64 --capture doc=@tmp/doc.npy
+@causal 1,4,4,300,300,128 --q-offsets 640 --kv-offset 128 --seq-lens 1200,1200 --backward
+@document 1,4,2,300,250,64 --q-offsets 333 --kv-offset 333 --seq-lens 1000,1000 --capture doc=@tmp/doc.npy --backward
 CASES
 done
 exit $status
