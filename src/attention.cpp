@@ -310,7 +310,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
   const detail::Positions pos =
       detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
-                                opts.seq_q_len, opts.seq_kv_len);
+                                opts.seq_q_len, opts.seq_kv_len, kMaxInt - 256);
   if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
   // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
   // an output sharing memory with another operand, gives a result that depends on block order.

@@ -54,8 +54,9 @@ DType from_dsl(dsl::DType d) {
 }
 
 Positions resolve_positions(std::string_view what, int64_t q_len, int64_t kv_len, int64_t q_offset,
-                            int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
-  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+                            int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len,
+                            int64_t max_len) {
+  const int64_t kMax = max_len;
   Positions pos{q_offset, kv_offset, seq_q_len, seq_kv_len};
   const struct {
     const char *offset_name, *len_name, *rows_name;

@@ -38,10 +38,11 @@ struct Positions {
 
 // The positions of a call with q_len queries and kv_len keys: a sequence length of 0 becomes
 // offset + rows. Throws flexc::Error "<what>: ..." naming the field unless the offsets are >= 0,
-// each sequence length holds its rows (seq_q_len >= q_offset + q_len) and fits an int32 (the
-// kernels' positions).
+// each sequence length holds its rows (seq_q_len >= q_offset + q_len) and is at most `max_len`
+// (int32 positions; the attention kernels keep 256 of headroom: a tile's last row is computed).
 Positions resolve_positions(std::string_view what, int64_t q_len, int64_t kv_len, int64_t q_offset,
-                            int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len);
+                            int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len,
+                            int64_t max_len);
 
 // Runtime param values by slot: the given ones (by name), defaults for the rest. Throws
 // flexc::Error "<what>: ..." for an unknown or const name and for a non-integer int value.

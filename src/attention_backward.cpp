@@ -176,7 +176,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   }
   const detail::Positions pos =
       detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
-                                opts.seq_q_len, opts.seq_kv_len);
+                                opts.seq_q_len, opts.seq_kv_len, kMaxInt - 256);
   if (opts.block_mask)
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, pos, cfg.block_m,
                              cfg.block_n);

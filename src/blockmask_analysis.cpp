@@ -67,7 +67,7 @@ MaskProblem resolve_problem(const Variant& v, int64_t B, int64_t H, int64_t q_le
                         {"q_tile", p.q_tile},
                         {"kv_tile", p.kv_tile}});
   p.pos = resolve_positions(what, q_len, kv_len, opts.q_offset, opts.kv_offset, opts.seq_q_len,
-                            opts.seq_kv_len);
+                            opts.seq_kv_len, std::numeric_limits<int32_t>::max());
   p.nqt = (q_len + p.q_tile - 1) / p.q_tile;
   p.nkt = (kv_len + p.kv_tile - 1) / p.kv_tile;
 

@@ -57,7 +57,8 @@ ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceP
                             what));
   // Decode positions index one sequence: captures' Q_LEN dims are the cache's length.
   in.pos = p.kv_lens.empty() ? resolve_positions(what, Lq, Lkv, p.q_offset, p.kv_offset,
-                                                 p.seq_q_len, p.seq_kv_len)
+                                                 p.seq_q_len, p.seq_kv_len,
+                                                 std::numeric_limits<int32_t>::max())
                              : Positions{0, 0, Lkv, Lkv};
   const auto views =
       resolve_captures(impl, p.captures, {B, Hq, in.pos.seq_q_len, in.pos.seq_kv_len}, what);

@@ -573,6 +573,25 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   const BlockMask wrong_len = BlockMask::from_kv_blocks(1, 1, 16, 33, 128, 128, one, zero);
   o.block_mask = &wrong_len;
   CHECK_THAT(err(q, k, out, o), Contains("block_mask was built for q_len 16, kv_len 33"));
+  // Positions: each field must match the call's, the sequence's lengths resolved first.
+  const Variant causal = Variant::from_catalogue("causal");
+  BlockMaskOptions bmo;
+  bmo.kv_offset = 64, bmo.seq_q_len = 100;
+  const BlockMask block = create_block_mask(causal, 1, 4, 16, 32, bmo);
+  o.block_mask = &block;
+  o.kv_offset = 64;
+  CHECK_THAT(err(q, k, out, o, &causal),
+             Contains("block_mask was built with seq_q_len 100; the call has 16"));
+  o.seq_q_len = 100, o.kv_offset = 65;
+  CHECK_THAT(err(q, k, out, o, &causal),
+             Contains("block_mask was built with kv_offset 64; the call has 65"));
+  o.kv_offset = 70, o.seq_kv_len = 101;
+  CHECK_THAT(err(q, k, out, o, &causal),
+             Contains("seq_kv_len = 101 must hold kv_offset + KV_LEN = 102"));
+  o = {};
+  o.q_offset = -2;
+  CHECK_THAT(err(q, k, out, o), Contains("q_offset = -2 must be >= 0"));
+  o = {};
   const std::vector<int32_t> ones3{1, 1, 1}, zeros3{0, 0, 0};
   const BlockMask three = BlockMask::from_kv_blocks(1, 3, 16, 32, 128, 128, ones3, zeros3);
   o.block_mask = &three;
@@ -1174,14 +1193,16 @@ namespace {
 // Runs case `c` with its queries at position 0 and at 200 (its keys extended by as many), each
 // checked against the reference.
 // At positions 0; as a prefill chunk at q_offset 200 (keys from 0 to its end); and as a block of
-// a longer sequence (queries from 200, keys from 300, the sequence longer than both).
+// a longer sequence (queries from 200, keys from an odd 301: a tile load's pairs misaligned;
+// the sequence's two lengths longer than both, and unequal).
 void check_at_offsets(const Variant& v, GpuCase c) {
   const int64_t kv_len = c.Lkv;
   for (int at = 0; at < 3; ++at) {
     c.q_offset = at ? 200 : 0;
     c.Lkv = at == 1 ? kv_len + 200 : kv_len;
-    c.kv_offset = at == 2 ? 300 : 0;
-    c.seq_q_len = c.seq_kv_len = at == 2 ? std::max(c.q_offset + c.Lq, c.kv_offset + c.Lkv) + 77 : 0;
+    c.kv_offset = at == 2 ? 301 : 0;
+    c.seq_q_len = at == 2 ? std::max(c.q_offset + c.Lq, c.kv_offset + c.Lkv) + 77 : 0;
+    c.seq_kv_len = at == 2 ? c.seq_q_len + 50 : 0;
     INFO(v.name() << ": " << c.describe() << " q_offset " << c.q_offset << " kv_offset "
                   << c.kv_offset << " sequence " << c.seq_q() << " x " << c.seq_kv());
     const Accuracy a = run_case(v, c);
@@ -1445,18 +1466,20 @@ TEST_CASE("a block of a longer sequence: queries and keys at their positions mat
           "[gpu]") {
   SKIP_WITHOUT_GPU();
   // Context parallelism (ring attention's steps): queries [q_offset, + Q_LEN) against keys
-  // [kv_offset, + KV_LEN) of a sequence whose lengths the mods see, with a BlockMask built at the
-  // same positions: length-dependent masks (bottom-right causal), captures indexed by position
-  // (document), relative biases (alibi), windows; blocks above, below and across the diagonal.
+  // [kv_offset, + KV_LEN) of a sequence whose lengths (unequal here) the mods see, with a
+  // BlockMask built at the same positions: length-dependent masks (bottom-right causal),
+  // captures indexed by position (document), relative biases (alibi), windows; blocks below,
+  // across and above the diagonal, and at offsets 0 with the sequence's lengths alone.
   const char* names[] = {"causal", "sliding_window", "alibi", "document", "causal_bottom_right",
                          "prefix_lm"};
-  const int64_t offsets[][2] = {{640, 128}, {100, 700}, {333, 333}};
+  const int64_t offsets[][2] = {{640, 128}, {700, 520}, {333, 410}, {0, 0}, {100, 700}};
+  int64_t at = 0;
   for (FwdKernel kernel : kernels_for(128))
-    for (size_t i = 0; i < std::size(names); ++i) {
+    for (size_t i = 0; i < std::size(names); ++i, ++at) {
       GpuCase c{i % 2 ? DType::F16 : DType::BF16, 2, 4, 2, 300, 250 + 37 * int64_t(i % 3),
                 i % 3 ? 128 : 64, false, 0, true, {}, kernel};
-      c.q_offset = offsets[i % 3][0], c.kv_offset = offsets[i % 3][1];
-      c.seq_q_len = c.seq_kv_len = 1200;
+      c.q_offset = offsets[at % 5][0], c.kv_offset = offsets[at % 5][1];
+      c.seq_q_len = 1200, c.seq_kv_len = 1300;
       if (std::string(names[i]) == "sliding_window") c.params["window"] = 400;
       if (std::string(names[i]) == "prefix_lm") c.params["prefix"] = 300;
       INFO(names[i] << ": " << c.describe() << " q_offset " << c.q_offset << " kv_offset "
