@@ -1,11 +1,14 @@
 // The combine of partial attention results: rows whose keys were split into parts (the decode
-// kernel's kv splits; later, ring attention's steps), each part's output normalised over its own
-// keys with that part's LSE, merged into the softmax over all keys:
+// kernel's kv splits; ring attention's blocks), each part's output normalised over its own keys
+// with that part's LSE, merged into the softmax over all keys:
 //   lse = log sum_p exp(lse_p),  out = sum_p exp(lse_p - lse) out_p.
 // A part that saw no key (LSE -inf) weighs 0; a row whose parts all saw none gets out 0 and LSE
 // -inf, never NaN. A NaN LSE (a part that flagged a bad argument) makes the row NaN.
 //
 // One warp per row; lanes take 4 columns at a time. FLEXC_BF16 picks the output type.
+// flexc_attention_combine merges all parts of a row at once (decode: float32 parts);
+// flexc_attention_merge folds one 16-bit part at a time into float32 accumulators (ring
+// attention: a block per step), flexc_attention_merge_store writes them out.
 #pragma once
 
 #include "attention_params.cuh"
@@ -85,4 +88,82 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     *reinterpret_cast<uint2*>(out + c) = packed;
   }
   if (p.lse != nullptr && lane == 0) p.lse[row] = w.lse;
+}
+
+namespace flexc_combine {
+
+// Four 16-bit values (the input type) from 8 bytes, as float32.
+__device__ __forceinline__ float4 load4(const unsigned short* at) {
+  const uint2 w = *reinterpret_cast<const uint2*>(at);
+  const unsigned h[4] = {w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16};
+  float f[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (FLEXC_BF16 != 0) {
+      f[i] = __uint_as_float(h[i] << 16);
+    } else {
+      asm("cvt.f32.f16 %0, %1;" : "=f"(f[i]) : "h"(static_cast<unsigned short>(h[i])));
+    }
+  }
+  return make_float4(f[0], f[1], f[2], f[3]);
+}
+
+// Row r of the [batch, heads, rows] parts as (batch, head, row).
+struct RowAt {
+  int b, h, i;
+  __device__ __forceinline__ RowAt(int r, int heads, int rows)
+      : b(r / (heads * rows)), h(r / rows % heads), i(r % rows) {}
+};
+
+}  // namespace flexc_combine
+
+extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
+    flexc_attention_merge(const FlexcMergeParams p) {
+  using namespace flexc_combine;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.heads * p.rows) return;
+  const int lane = threadIdx.x & 31;
+  const RowAt at(row, p.heads, p.rows);
+  const long long acc_row =
+      (static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 + at.i;
+  const float la = p.acc_lse[acc_row], lb = p.part_lse[row];
+  // Weights over the max (natural log units); a side that saw no key (-inf) weighs 0, a NaN
+  // (a flagged argument) makes the row NaN; neither side with a key leaves it as it is.
+  const bool nan = la != la || lb != lb;
+  const float m = nan ? la + lb : fmaxf(la, lb);
+  if (m == neg_inf()) return;
+  const float wa = expf(la - m), wb = expf(lb - m), inv = 1.f / (wa + wb);
+  float* acc = p.acc + acc_row * p.dv;
+  const auto* part = static_cast<const unsigned short*>(p.part) + at.b * p.part_stride[0] +
+                     at.h * p.part_stride[1] + at.i * p.part_stride[2];
+  for (int c = lane * 4; c < p.dv; c += 128) {
+    const float4 x = *reinterpret_cast<const float4*>(acc + c), y = load4(part + c);
+    // A weight of 0 adds exactly 0, whatever the other side holds.
+    auto mix = [&](float a, float b) {
+      return ((wa == 0.f ? 0.f : wa * a) + (wb == 0.f ? 0.f : wb * b)) * inv;
+    };
+    *reinterpret_cast<float4*>(acc + c) =
+        make_float4(mix(x.x, y.x), mix(x.y, y.y), mix(x.z, y.z), mix(x.w, y.w));
+  }
+  if (lane == 0) p.acc_lse[acc_row] = m + logf(wa + wb);
+}
+
+extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
+    flexc_attention_merge_store(const FlexcMergeParams p) {
+  using namespace flexc_combine;
+  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (row >= p.batch * p.heads * p.acc_rows) return;
+  const int lane = threadIdx.x & 31;
+  const RowAt at(row, p.heads, p.acc_rows);
+  const float* acc = p.acc + static_cast<long long>(row) * p.dv;
+  auto* out = static_cast<unsigned short*>(p.out) + at.b * p.out_stride[0] +
+              at.h * p.out_stride[1] + at.i * p.out_stride[2];
+  for (int c = lane * 4; c < p.dv; c += 128) {
+    const float4 x = *reinterpret_cast<const float4*>(acc + c);
+    uint2 packed;
+    packed.x = flexc_tile::pack2<FLEXC_BF16 != 0>(x.x, x.y);
+    packed.y = flexc_tile::pack2<FLEXC_BF16 != 0>(x.z, x.w);
+    *reinterpret_cast<uint2*>(out + c) = packed;
+  }
+  if (p.lse != nullptr && lane == 0) p.lse[row] = p.acc_lse[row];
 }

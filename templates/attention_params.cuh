@@ -96,3 +96,19 @@ struct FlexcCombineParams {
   long long out_stride[3];
   int heads, q_len, rows, parts, dv;
 };
+
+// Ring attention's merge (templates/attention_combine.cuh): flexc_attention_merge folds one
+// block's normalised output and LSE (the part: `rows` rows of each head, its rows row0.. of the
+// shard) into float32 accumulators of the shard's `acc_rows` rows (initially 0 and -inf);
+// flexc_attention_merge_store writes the accumulators out in the output's type.
+struct FlexcMergeParams {
+  const void* part;       // 16-bit [batch, heads, rows, dv], part_stride (batch, head, row)
+  const float* part_lse;  // [batch, heads, rows], contiguous
+  float* acc;             // [batch, heads, acc_rows, dv], contiguous
+  float* acc_lse;         // [batch, heads, acc_rows]
+  void* out;              // merge_store: 16-bit [batch, heads, acc_rows, dv], out_stride
+  float* lse;             // merge_store: may be null; [batch, heads, acc_rows], contiguous
+  long long part_stride[3];
+  long long out_stride[3];
+  int batch, heads, rows, acc_rows, row0, dv;
+};

@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
 
 #include "flexc/device.h"
+#include "flexc/npy.h"
 
 namespace {
 
@@ -267,5 +269,60 @@ TEST_CASE("flexc run: linear-attention configs pass their forward and backward c
     CHECK(r.output.find("check (seed") != std::string::npos);
     CHECK(r.output.find("check backward (seed") != std::string::npos);
     CHECK(r.output.find("FAIL") == std::string::npos);
+  }
+}
+
+TEST_CASE("flexc run --ranks: ring attention's options are checked before the GPU is needed",
+          "[cli][ring]") {
+  refused("run @causal --random 1,2,2,512,512,64 --ranks 2 --backward",
+          "--backward is not part of ring attention (--ranks): its backward is still to come");
+  refused("run @causal --random 1,2,2,512,512,64 --ranks 2 --kv-offset 5",
+          "--kv-offset is not part of ring attention (--ranks)");
+  refused("run @causal --random 1,2,2,512,512,64 --ranks 2 --sharding diagonal",
+          "--sharding 'diagonal': zigzag or contiguous");
+  refused("run @causal --random 1,2,2,512,512,64 --ranks 0", "--ranks");
+}
+
+TEST_CASE("flexc run --ranks 2: ring attention equals attention on the whole sequence",
+          "[cli][ring][gpu]") {
+  if (flexc::device_count() < 2) {
+    WARN("fewer than 2 GPUs: skipped");
+    return;
+  }
+  // Over two GPUs (a thread and an NCCL communicator each), zigzag and contiguous shards, GQA,
+  // both head dims and dtypes, captures indexed by position (document ids, alibi slopes), a
+  // window whose far blocks are skipped; the gathered output checked against the float64
+  // reference on the whole sequence.
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  const std::string doc = dir + "/flexc_ring_doc.npy", slope = dir + "/flexc_ring_slope.npy";
+  {
+    // int32 [2048]: documents of 300 tokens; float32 [4]: ALiBi slopes.
+    flexc::npy::Array ids{flexc::DType::I32, {2048}, std::vector<std::byte>(2048 * 4)};
+    for (int32_t i = 0; i < 2048; ++i) {
+      const int32_t id = i / 300;
+      std::memcpy(ids.bytes.data() + 4 * i, &id, 4);
+    }
+    flexc::npy::write(doc, ids);
+    const float slopes[] = {0.5f, 0.25f, 0.125f, 0.0625f};
+    flexc::npy::write(slope, flexc::npy::from_float({4}, slopes));
+  }
+  const struct {
+    std::string args;
+    bool skips;  // some blocks are left out
+  } cases[] = {
+      {"@noop --random 1,4,2,2048,2048,128 --sharding zigzag", false},
+      {"@causal --random 2,4,4,2048,2048,64 --sharding contiguous --dtype fp16", true},
+      {"@causal --random 1,4,2,2048,2048,128 --sharding zigzag", true},  // chunk pairs above
+      {"@sliding_window --random 1,4,2,2048,2048,128 --param window=200 --sharding contiguous",
+       true},
+      {"@document --random 1,4,2,2048,2048,64 --capture doc=" + doc + " --sharding zigzag", true},
+      {"@alibi --random 1,4,2,2048,2048,128 --capture slope=" + slope + " --dtype fp16", false},
+  };
+  for (const auto& c : cases) {
+    const Result r = run_cli("run " + c.args + " --ranks 2 --check");
+    INFO("flexc run " << c.args << " --ranks 2 --check\n" << r.output);
+    CHECK(r.status == 0);
+    CHECK(r.output.find("PASS") != std::string::npos);
+    CHECK((r.output.find("skipped 0,") == std::string::npos) == c.skips);
   }
 }

@@ -1,8 +1,10 @@
 // Ring attention's schedule (src/ring/plan.cpp): which shard pairs each rank computes per step,
 // which K/V sends are needed, and the balance of the work, against counts worked out by hand.
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <numeric>
 
+#include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/ring.h"
 
@@ -95,6 +97,14 @@ TEST_CASE("a sliding window's ring skips the pairs beyond the window and their s
   // Each shard is sent once (to the next rank), except the last rank's.
   CHECK(plan.steps[0].sends == 7);
   for (size_t t = 1; t < plan.steps.size(); ++t) CHECK(plan.steps[t].sends == 0);
+  // Which rank passes its shard on: ranks 0..6 after step 0 (rank 7's shard, chunk 7, is needed
+  // by no later rank: rank 0 holds chunk 0), none later.
+  CHECK(plan.steps[0].passes ==
+        std::vector<bool>{true, true, true, true, true, true, true, false});
+  for (const RingStep& step : plan.steps) {
+    CHECK(step.passes.size() == 8);
+    CHECK(std::count(step.passes.begin(), step.passes.end(), true) == step.sends);
+  }
 }
 
 TEST_CASE("plan_ring names a bad field", "[ring]") {
@@ -127,4 +137,23 @@ TEST_CASE("a ring plan prints its steps, ranks and balance", "[ring]") {
   CHECK_THAT(s, Catch::Contains("kv 1: -"));
   CHECK_THAT(s, Catch::Contains("rank 1: chunks 1, 7 tiles"));
   CHECK_THAT(s, Catch::Contains("blocks computed 3 of 4, skipped 1; sends skipped 1 of 2"));
+}
+
+TEST_CASE("RingAttention names a bad argument before any communication", "[ring]") {
+  const Variant causal = Variant::from_catalogue("causal");
+  const RingShape shape{.ranks = 2, .seq_len = 2048, .batch = 1, .q_heads = 4, .kv_heads = 2,
+                        .head_dim = 64};
+  CHECK_THROWS_WITH(RingAttention(causal, nullptr, shape),
+                    Catch::Contains("flexc::RingAttention: comm is null"));
+  RingShape fp32 = shape;
+  fp32.dtype = DType::F32;
+  CHECK_THROWS_WITH(RingAttention(causal, nullptr, fp32),
+                    Catch::Contains("shape.dtype must be bf16 or fp16; got float32"));
+  RingShape odd = shape;
+  odd.seq_len = 1000;  // zigzag over 2 ranks: 4 chunks of whole 128-token tiles
+  CHECK_THROWS_WITH(RingAttention(causal, nullptr, odd),
+                    Catch::Contains("seq_len 1000 must be a multiple of 4 chunks"));
+  // A ring of this process's GPUs needs as many of them.
+  CHECK_THROWS_WITH(LocalCommunicators(flexc::device_count() + 1),
+                    Catch::Contains("need as many CUDA devices"));
 }

@@ -91,6 +91,15 @@ void synchronize_device();
 // True when a CUDA driver and at least one device are present.
 bool gpu_available();
 
+// The number of CUDA devices (0 without a driver or a device).
+int device_count();
+// Makes device `ordinal`'s primary context current on the calling thread: flexc's calls from this
+// thread then run there (one thread per GPU, as `flexc run --ranks` drives ring attention).
+// Throws flexc::Error naming the ordinal when there is no such device.
+void use_device(int ordinal);
+// The ordinal of the current context's device (device 0's primary context when none is current).
+int current_device();
+
 // "sm_90" for the device of the current context. Throws flexc::Error when there is no GPU.
 std::string current_arch();
 

@@ -19,12 +19,18 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 #include "flexc/variant.h"
+
+struct ncclComm;  // NCCL's communicator: ncclComm_t is `ncclComm*`
+struct CUstream_st;
 
 namespace flexc {
 
@@ -34,7 +40,8 @@ struct RingShape {
   int64_t ranks = 0;
   int64_t seq_len = 0;  // tokens of the whole sequence
   int64_t batch = 1, q_heads = 1, kv_heads = 1, head_dim = 128;
-  DType dtype = DType::BF16;  // of k and v (the bytes a send moves)
+  int64_t v_head_dim = 0;     // v's and the output's; 0: head_dim
+  DType dtype = DType::BF16;  // of q, k, v and the output (k's and v's: the bytes a send moves)
   Sharding sharding = Sharding::Zigzag;
 };
 
@@ -53,6 +60,7 @@ struct RingStep {
   // step needs, and their bytes (k and v); a shard no later rank needs is not sent.
   int64_t sends = 0;
   int64_t bytes_sent = 0;
+  std::vector<bool> passes;  // by rank: whether it passes its shard on (rank r + 1 receives it)
 };
 
 struct RingPlan {
@@ -88,5 +96,88 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
 // A table: per step the K/V shard each rank holds and its block's tiles ('-' skipped), the
 // sends; then per rank its chunks and work, the totals and the imbalance.
 std::string to_string(const RingPlan& plan);
+
+// ---- Ring attention over NCCL (docs/ring.md)
+//
+//   flexc::RingAttention ring(variant, comm, {.ranks = 2, .seq_len = 65536, .batch = 1,
+//                             .q_heads = 16, .kv_heads = 16, .head_dim = 128});
+//   ring.forward(q, k, v, out, {.lse = lse, .stream = stream});   // every step, every call
+//
+// One rank's side of ring attention of one variant on one communicator (the caller's: from
+// torch.distributed, MPI, or ncclCommInitAll in one process; its size is shape.ranks and this
+// rank is its rank). Constructing it is collective (every rank of `comm`, the same arguments;
+// the shapes are gathered and compared): it plans the ring (plan_ring), builds the BlockMask of
+// every (query chunk, K/V chunk) block this rank computes, at the chunks' global positions, and
+// keeps them with its buffers for every later call (a training loop constructs it once). The
+// current CUDA context must be the communicator's device's.
+//
+// The rank's shard is its chunks in ascending order (plan().chunks[rank]: chunk r, or chunks r and
+// 2 ranks - 1 - r zigzag): q [B, Hq, S / ranks, D], k [B, Hkv, S / ranks, D] and v
+// [B, Hkv, S / ranks, Dv] of the sequence's S = shape.seq_len tokens, in shape.dtype. The mods see
+// global positions and S, so a variant means what it means on one GPU; captures index the whole
+// sequence. RingPlanOptions' params and mask captures are fixed at construction (the BlockMasks
+// depend on them).
+struct RingForwardOptions {
+  // Device captures by name over the whole sequence (Q_LEN / KV_LEN dims: seq_len): every
+  // capture a mod reads, on this rank's device.
+  std::map<std::string, TensorView, std::less<>> captures;
+  std::optional<double> scale;     // default 1 / sqrt(D)
+  std::optional<TensorView> lse;   // float32 [B, Hq, S / ranks], contiguous: the shard's rows
+  CUstream_st* stream = nullptr;   // compute; K/V travel on a stream of the ring's own
+  FwdKernel kernel = FwdKernel::Auto;
+};
+
+// What this rank did in its last call.
+struct RingStats {
+  int64_t blocks_computed = 0;  // (query chunk, K/V chunk) attention calls
+  int64_t blocks_skipped = 0;   // chunk pairs the mask leaves empty, not computed
+  int64_t sends = 0, sends_skipped = 0;  // K/V shards passed on, and not (no later rank needs them)
+};
+
+// NCCL communicators for ranks 0 .. ranks - 1 on this process's CUDA devices 0 .. ranks - 1
+// (ncclCommInitAll, through the NCCL flexc loads): one process driving several GPUs, a thread
+// per rank calling flexc::use_device(rank) first (`flexc run --ranks`, the tests). A distributed
+// job passes its own communicator instead (torch.distributed's, MPI's).
+class LocalCommunicators {
+ public:
+  // Throws flexc::Error when there are fewer devices than ranks, or NCCL is missing or fails.
+  explicit LocalCommunicators(int ranks);
+  ~LocalCommunicators();
+  LocalCommunicators(const LocalCommunicators&) = delete;
+  LocalCommunicators& operator=(const LocalCommunicators&) = delete;
+  ncclComm* operator[](int rank) const { return comms_.at(size_t(rank)); }
+  int size() const { return int(comms_.size()); }
+
+ private:
+  std::vector<ncclComm*> comms_;
+};
+
+class RingAttention {
+ public:
+  // Throws flexc::Error naming the argument: a null or mismatched communicator (its size is not
+  // shape.ranks, its device is not the current one), a shape plan_ring refuses, shapes that differ
+  // between ranks (naming the first field and rank), NCCL missing.
+  RingAttention(const Variant& v, ncclComm* comm, const RingShape& shape,
+                const RingPlanOptions& opts = {});
+  ~RingAttention();
+  RingAttention(RingAttention&&) noexcept;
+  RingAttention& operator=(RingAttention&&) noexcept;
+
+  // The shard's output (and LSE) of attention over the whole sequence, every rank calling it
+  // with its shard (collective). Enqueued on opts.stream; K/V go around the ring on the ring's
+  // stream, overlapped with the blocks; the call returns once everything is enqueued, and work
+  // the caller enqueues on opts.stream afterwards runs after all of it. Throws flexc::Error
+  // naming the argument for shapes other than the shard's, a dtype other than shape.dtype, ...
+  void forward(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const RingForwardOptions& opts = {});
+
+  const RingPlan& plan() const;
+  int64_t rank() const;
+  const RingStats& stats() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 }  // namespace flexc

@@ -365,6 +365,7 @@ PYBIND11_MODULE(_flexc, m) {
   py::class_<RingStep>(m, "RingStep")
       .def_readonly("blocks", &RingStep::blocks)
       .def_readonly("sends", &RingStep::sends)
+      .def_readonly("passes", &RingStep::passes)
       .def_readonly("bytes_sent", &RingStep::bytes_sent);
   py::class_<RingPlan>(m, "RingPlan")
       .def_readonly("chunk_len", &RingPlan::chunk_len)

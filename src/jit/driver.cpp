@@ -101,6 +101,33 @@ bool gpu_available() {
   return available;
 }
 
+int device_count() {
+  if (!gpu_available()) return 0;
+  int n = 0;
+  check(driver("counting CUDA devices").cuDeviceGetCount(&n), "counting CUDA devices");
+  return n;
+}
+
+void use_device(int ordinal) {
+  const std::string doing = fmt::format("making CUDA device {} current", ordinal);
+  const DriverApi& d = driver(doing);
+  const int n = device_count();
+  if (ordinal < 0 || ordinal >= n)
+    throw Error(fmt::format("{}: there are {} devices (0 .. {})", doing, n, n - 1));
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  check(d.cuDeviceGet(&dev, ordinal), doing);
+  check(d.cuDevicePrimaryCtxRetain(&ctx, dev), doing);
+  check(d.cuCtxSetCurrent(ctx), doing);
+}
+
+int current_device() {
+  current_context();
+  CUdevice dev = 0;
+  check(driver("querying the current device").cuCtxGetDevice(&dev), "querying the current device");
+  return static_cast<int>(dev);
+}
+
 std::string current_arch() {
   current_context();
   const DriverApi& d = driver("querying the GPU's architecture");

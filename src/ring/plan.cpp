@@ -23,6 +23,8 @@ void check_shape(const RingShape& s, int64_t tile) {
   positive("q_heads", s.q_heads);
   positive("kv_heads", s.kv_heads);
   positive("head_dim", s.head_dim);
+  if (s.v_head_dim < 0)
+    throw Error(fmt::format("{}: v_head_dim must be >= 0; got {}", kWhat, s.v_head_dim));
   positive("tile", tile);
   if (s.q_heads % s.kv_heads != 0)
     throw Error(fmt::format("{}: q_heads {} is not a multiple of kv_heads {}", kWhat, s.q_heads,
@@ -30,10 +32,13 @@ void check_shape(const RingShape& s, int64_t tile) {
   // Counts are int64: the tiles of all batches and heads, and a shard's bytes, must fit.
   const double tiles_per_side = double(s.seq_len) / double(tile);
   if (double(s.batch) * double(s.q_heads) * tiles_per_side * tiles_per_side > 0x1p62 ||
-      4.0 * double(s.batch) * double(s.kv_heads) * double(s.seq_len) * double(s.head_dim) > 0x1p62)
-    throw Error(fmt::format("{}: B {} x {} heads over {} tokens is too large to count (tiles or "
-                            "K/V bytes past 2^62)",
-                            kWhat, s.batch, s.q_heads, s.seq_len));
+      2.0 * double(s.batch) * double(s.kv_heads) * double(s.seq_len) *
+              double(s.head_dim + std::max<int64_t>(s.v_head_dim, s.head_dim)) >
+          0x1p62)
+    throw Error(
+        fmt::format("{}: B {} x {} heads over {} tokens is too large to count (tiles or "
+                    "K/V bytes past 2^62)",
+                    kWhat, s.batch, s.q_heads, s.seq_len));
   const int64_t per_rank = s.sharding == Sharding::Zigzag ? 2 : 1;
   int64_t chunks = 0, unit = 0;
   if (__builtin_mul_overflow(s.ranks, per_rank, &chunks) ||
@@ -66,8 +71,8 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
   bo.params = opts.params;
   bo.captures = opts.captures;
   bo.device = BuildDevice::Cpu;
-  const BlockMask bm = create_block_mask(v, shape.batch, shape.q_heads, shape.seq_len,
-                                         shape.seq_len, bo);
+  const BlockMask bm =
+      create_block_mask(v, shape.batch, shape.q_heads, shape.seq_len, shape.seq_len, bo);
   const detail::MaskProblem p =
       detail::resolve_problem(v, shape.batch, shape.q_heads, shape.seq_len, shape.seq_len, bo);
   detail::TileKeptCounter counter(p);
@@ -97,7 +102,8 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
 
   // Step t: rank r holds shard (r - t) mod n. After step t it passes that shard to rank r + 1,
   // which is worth it only if one of the ranks the shard still visits computes with it.
-  const int64_t shard_bytes = 2 * shape.batch * shape.kv_heads * shard * shape.head_dim *
+  const int64_t dv = shape.v_head_dim ? shape.v_head_dim : shape.head_dim;
+  const int64_t shard_bytes = shape.batch * shape.kv_heads * shard * (shape.head_dim + dv) *
                               int64_t(dtype_size(shape.dtype));
   plan.rank_tiles.assign(n, 0);
   plan.rank_elements.assign(n, 0.0);
@@ -110,11 +116,13 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       (blk.computes() ? plan.computed_blocks : plan.skipped_blocks) += 1;
       plan.rank_tiles[r] += blk.full_tiles + blk.partial_tiles;
       plan.rank_elements[r] += kept[r * n + s];
+      step.passes.push_back(false);
       if (t + 1 == n) continue;
       bool needed = false;
       for (int64_t later = t + 1; later < n && !needed; ++later)
         needed = pair[((s + later) % n) * n + s].computes();
       if (needed) {
+        step.passes.back() = true;
         ++step.sends;
         step.bytes_sent += shard_bytes;
       } else {
@@ -146,21 +154,21 @@ std::string to_string(const RingPlan& plan) {
     const RingStep& step = plan.steps[t];
     out += fmt::format("{:>4}", t);
     for (const RingBlock& b : step.blocks)
-      out += fmt::format(" | {:>14}", b.computes()
-                                         ? fmt::format("kv {}: {:.0f}%", b.kv_rank, b.density * 100)
-                                         : fmt::format("kv {}: -", b.kv_rank));
+      out += fmt::format(" | {:>14}",
+                         b.computes() ? fmt::format("kv {}: {:.0f}%", b.kv_rank, b.density * 100)
+                                      : fmt::format("kv {}: -", b.kv_rank));
     out += t + 1 == plan.steps.size()
                ? " | -\n"
                : fmt::format(" | {} x {:.1f} MiB\n", step.sends,
                              step.sends ? double(step.bytes_sent) / step.sends / (1 << 20) : 0.0);
   }
-  out += "(kv R: X% = the rank computes against rank R's K/V shard, X% of that block kept by the "
-         "mask; '-' = nothing to compute, skipped)\n";
+  out +=
+      "(kv R: X% = the rank computes against rank R's K/V shard, X% of that block kept by the "
+      "mask; '-' = nothing to compute, skipped)\n";
   const double total = std::accumulate(plan.rank_elements.begin(), plan.rank_elements.end(), 0.0);
   for (int64_t r = 0; r < n; ++r)
     out += fmt::format("rank {}: chunks {}, {} tiles, {:.4g} elements kept ({:.1f}%)\n", r,
-                       fmt::join(plan.chunks[r], ", "), plan.rank_tiles[r],
-                       plan.rank_elements[r],
+                       fmt::join(plan.chunks[r], ", "), plan.rank_tiles[r], plan.rank_elements[r],
                        total > 0 ? 100 * plan.rank_elements[r] / total : 0.0);
   out += fmt::format(
       "blocks computed {} of {}, skipped {}; sends skipped {} of {}; imbalance {:.3f} (busiest "

@@ -21,6 +21,7 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/run_linear.h"
+#include "cli/run_ring.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/decode.h"
@@ -50,6 +51,8 @@ struct Options {
   int64_t page_size = 0, splits = 0;
   int64_t kv_offset = 0;  // a block of a longer sequence, with --seq-lens Q,KV
   std::string seq_lens;
+  int ranks = 0;  // ring attention over this many GPUs
+  std::string sharding = "zigzag";
 };
 
 // A --kv-lens / --q-offsets list: one value for every batch, or one per batch.
@@ -286,6 +289,20 @@ void run(const Options& o) {
     if (lens.size() != 2) throw Error("--seq-lens: expected Q,KV, the sequence's two lengths");
     seq_q_len = lens[0], seq_kv_len = lens[1];
   }
+  if (o.ranks > 0) {
+    const std::pair<const char*, bool> not_ring[] = {
+        {"--kv-lens", !o.kv_lens.empty()}, {"--q-offsets", !o.q_offsets.empty()},
+        {"--kv-offset", o.kv_offset != 0}, {"--seq-lens", !o.seq_lens.empty()},
+        {"--dense", o.dense},              {"--backward", o.backward}};
+    for (const auto& [flag, given] : not_ring)
+      if (given)
+        throw Error(fmt::format("{} is not part of ring attention (--ranks){}", flag,
+                                std::string_view(flag) == "--backward"
+                                    ? ": its backward is still to come (docs/ring.md)"
+                                    : ""));
+  }
+  if (o.sharding != "zigzag" && o.sharding != "contiguous")
+    throw Error(fmt::format("--sharding '{}': zigzag or contiguous", o.sharding));
   if (!o.kv_lens.empty() && (o.kv_offset != 0 || !o.seq_lens.empty()))
     throw Error(fmt::format("{} is for a block of a longer sequence, not the decode path "
                             "(--kv-lens)",
@@ -348,6 +365,38 @@ void run(const Options& o) {
   ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
   ref.dtype = dtype;
   if (!o.kv_lens.empty()) return run_decode(o, variant, dtype, q, k, v, opts, ref, rng);
+  if (o.ranks > 0) {
+    if (Lq != Lkv)
+      throw Error(fmt::format("--ranks: ring attention is self-attention over one sequence; Q_LEN "
+                              "{} and KV_LEN {} differ",
+                              Lq, Lkv));
+    RingRunArgs ra;
+    ra.variant = &variant;
+    ra.shape = {.ranks = o.ranks, .seq_len = Lq, .batch = B, .q_heads = Hq, .kv_heads = Hkv,
+                .head_dim = D, .v_head_dim = Dv, .dtype = dtype,
+                .sharding = o.sharding == "zigzag" ? Sharding::Zigzag : Sharding::Contiguous};
+    ra.params = opts.params;
+    size_t i = 0;
+    for (const auto& entry : captures) ra.captures[entry.first] = &host_caps[i++];
+    ra.q = &q, ra.k = &k, ra.v = &v;
+    ra.scale = o.scale;
+    ra.kernel = kernel;
+    const RingRunResult rr = run_ring(ra);
+    int64_t computed = 0, skipped = 0, sends = 0, unsent = 0;
+    for (const RingStats& st : rr.stats)
+      computed += st.blocks_computed, skipped += st.blocks_skipped, sends += st.sends,
+          unsent += st.sends_skipped;
+    fmt::print("{} {}: ring of {} GPUs ({}), B {} Hq {} Hkv {} S {} D {}{}: first call {:.1f} ms "
+               "(plan, BlockMasks, compile or cache), forward {:.3f} ms (the slowest rank); "
+               "blocks computed {} skipped {}, K/V sends {} skipped {}\n",
+               variant.name(), o.dtype, o.ranks, o.sharding, B, Hq, Hkv, Lq, D,
+               Dv != D ? fmt::format(" Dv {}", Dv) : "", rr.first_ms, rr.ms, computed, skipped,
+               sends, unsent);
+    if (!o.out.empty()) npy::write(o.out, npy::from_float(out_shape, rr.out));
+    if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, rr.lse));
+    if (o.check) check_rows(o, variant, ref, rr.out, rr.lse, rng);
+    return;
+  }
 
   flexc::DeviceBuffer q_dev = upload(q.bits.data(), q.bits.size() * 2);
   flexc::DeviceBuffer k_dev = upload(k.bits.data(), k.bits.size() * 2);
@@ -546,6 +595,16 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--seq-lens", o->seq_lens,
                   "Q,KV: the lengths of the sequence the block belongs to, which the mods and the "
                   "captures' Q_LEN / KV_LEN dims see (default: the queries' and the keys' ends)");
+  cmd->add_option("--ranks", o->ranks,
+                  "ring attention over this many GPUs of this machine (a thread and an NCCL "
+                  "communicator each): the sequence of --random B,HQ,HKV,S,S,D split into shards, "
+                  "K/V passed around the ring; --check compares the gathered output with the "
+                  "reference on the whole sequence")
+      ->check(int_range(1, 1024));
+  cmd->add_option("--sharding", o->sharding,
+                  "with --ranks: zigzag (rank r holds chunks r and 2N-1-r; the default) or "
+                  "contiguous")
+      ->capture_default_str();
   cmd->add_option("--page-size", o->page_size,
                   "with --kv-lens: a paged cache of this many keys per page (a power of two), "
                   "through a shuffled page table")

@@ -10,6 +10,11 @@ OUT=${OUT:-out}; LOGS=/tmp/flexc-gpu-logs; mkdir -p "$OUT" "$LOGS"
 export LD_LIBRARY_PATH=$PWD/.carry/lib:${LD_LIBRARY_PATH:-}
 export FLEXC_CACHE_DIR=/tmp/flexc-cache
 export FLEXC_BINARY_DIR=$PWD/.carry/bin  # the flexc that tests/test_cli.cpp runs
+# Ring attention loads NCCL at run time: without a system copy, PyTorch's wheel has one.
+if [ -z "${FLEXC_NCCL:-}" ] && ! ldconfig -p | grep -q libnccl.so.2; then
+  nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+  [ -n "$nccl" ] && [ -f "$nccl" ] && export FLEXC_NCCL=$nccl
+fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 spec=${1:-[gpu]}
 # One process per test case: the cases of one binary compile different kernels.

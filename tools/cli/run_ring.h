@@ -1,0 +1,38 @@
+// `flexc run --ranks N`: ring attention's forward over this machine's first N GPUs (a thread and
+// an NCCL communicator per rank), on the whole sequence's q, k and v; the shards' outputs and LSE
+// gathered back into the whole sequence's (docs/ring.md).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cli/inputs.h"
+#include "flexc/npy.h"
+#include "flexc/ring.h"
+
+namespace flexc::cli {
+
+struct RingRunArgs {
+  const Variant* variant = nullptr;
+  RingShape shape;
+  std::map<std::string, double, std::less<>> params;
+  std::map<std::string, const npy::Array*> captures;  // whole-sequence host arrays, by name
+  const Input *q = nullptr, *k = nullptr, *v = nullptr;  // the whole sequence
+  std::optional<double> scale;
+  FwdKernel kernel = FwdKernel::Auto;
+};
+
+struct RingRunResult {
+  std::vector<float> out, lse;     // the whole sequence's, as one GPU would give them
+  double first_ms = 0;             // the first call, construction included (plans, masks, JIT)
+  double ms = 0;                   // a warm call: the slowest rank's time between its events
+  std::vector<RingStats> stats;    // by rank
+  RingPlan plan;
+};
+
+RingRunResult run_ring(const RingRunArgs& a);
+
+}  // namespace flexc::cli
