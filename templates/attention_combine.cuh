@@ -121,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_attention_merge(const FlexcMergeParams p) {
   using namespace flexc_combine;
   const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (row >= p.batch * p.heads * p.rows) return;
+  if (row >= static_cast<long long>(p.batch) * p.heads * p.rows) return;
   const int lane = threadIdx.x & 31;
   const RowAt at(row, p.heads, p.rows);
   const long long acc_row =
@@ -145,6 +145,7 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     *reinterpret_cast<float4*>(acc + c) =
         make_float4(mix(x.x, y.x), mix(x.y, y.y), mix(x.z, y.z), mix(x.w, y.w));
   }
+  __syncwarp();  // every lane read the LSE before lane 0 replaces it
   if (lane == 0) p.acc_lse[acc_row] = m + logf(wa + wb);
 }
 
@@ -152,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_attention_merge_store(const FlexcMergeParams p) {
   using namespace flexc_combine;
   const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (row >= p.batch * p.heads * p.acc_rows) return;
+  if (row >= static_cast<long long>(p.batch) * p.heads * p.acc_rows) return;
   const int lane = threadIdx.x & 31;
   const RowAt at(row, p.heads, p.acc_rows);
   const float* acc = p.acc + static_cast<long long>(row) * p.dv;

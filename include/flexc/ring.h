@@ -16,6 +16,7 @@
 // queries against it, and then passes it on to rank r + 1. See docs/ring.md.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -147,9 +148,14 @@ class LocalCommunicators {
   LocalCommunicators& operator=(const LocalCommunicators&) = delete;
   ncclComm* operator[](int rank) const { return comms_.at(size_t(rank)); }
   int size() const { return int(comms_.size()); }
+  // Aborts every communicator (ncclCommAbort), ending operations in flight: when one rank's
+  // thread fails, the others, waiting for its sends, are released. Safe from any thread, once
+  // or more; the communicators are unusable after it.
+  void abort();
 
  private:
   std::vector<ncclComm*> comms_;
+  std::atomic<bool> aborted_{false};
 };
 
 class RingAttention {

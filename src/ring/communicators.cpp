@@ -24,9 +24,15 @@ LocalCommunicators::LocalCommunicators(int ranks) {
 }
 
 LocalCommunicators::~LocalCommunicators() {
-  if (comms_.empty() || comms_[0] == nullptr) return;
+  if (comms_.empty() || comms_[0] == nullptr || aborted_) return;
   const nccl::Api& n = nccl::api("flexc::LocalCommunicators");
   for (ncclComm* c : comms_) n.ncclCommDestroy(c);  // nothing useful to do with an error here
+}
+
+void LocalCommunicators::abort() {
+  if (comms_.empty() || comms_[0] == nullptr || aborted_.exchange(true)) return;
+  const nccl::Api& n = nccl::api("flexc::LocalCommunicators");
+  for (ncclComm* c : comms_) n.ncclCommAbort(c);  // frees them too
 }
 
 }  // namespace flexc

@@ -57,6 +57,7 @@ Loaded load() {
     Api a;
     if (std::string missing = resolve(lib, a); !missing.empty()) {
       tried += fmt::format("\n  {}: lacks {}", name, missing);
+      dlclose(lib);
       continue;
     }
     Dl_info info{};

@@ -33,6 +33,7 @@ struct UniqueId {
   X(ncclCommCuDevice, Result(ncclComm*, int*))                                   \
   X(ncclCommInitAll, Result(ncclComm**, int, const int*))                        \
   X(ncclCommDestroy, Result(ncclComm*))                                          \
+  X(ncclCommAbort, Result(ncclComm*))                                            \
   X(ncclGroupStart, Result())                                                    \
   X(ncclGroupEnd, Result())                                                      \
   X(ncclSend, Result(const void*, size_t, int, int, ncclComm*, CUstream_st*))    \

@@ -38,12 +38,17 @@ class Event {
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
-  // Work enqueued on `waiter` after this runs after what `stream` has enqueued so far.
-  void order(CUstream stream, CUstream waiter) {
-    const jit::DriverApi& d = jit::driver("ordering ring attention's streams");
-    jit::check(d.cuEventRecord(e_, stream), "recording a CUDA event");
-    jit::check(d.cuStreamWaitEvent(waiter, e_, 0), "making a stream wait for an event");
+  // What `stream` has enqueued so far; work enqueued on `waiter` after wait() runs after it (the
+  // record at the time of the wait: a later record does not change it).
+  void record(CUstream stream) {
+    jit::check(jit::driver("recording a CUDA event").cuEventRecord(e_, stream),
+               "recording a CUDA event");
   }
+  void wait(CUstream waiter) {
+    jit::check(jit::driver("waiting for a CUDA event").cuStreamWaitEvent(waiter, e_, 0),
+               "making a stream wait for an event");
+  }
+  void order(CUstream stream, CUstream waiter) { record(stream), wait(waiter); }
 
  private:
   CUevent e_ = nullptr;
@@ -56,6 +61,40 @@ TensorView rows_of(const TensorView& t, int64_t r0, int64_t n) {
   v.shape[2] = n;
   v.strides = {t.stride(0), t.stride(1), t.stride(2), 1};
   return v;
+}
+
+// An NCCL group, ended however the scope is left (a group left open would defer every later
+// NCCL call of this thread).
+class Group {
+ public:
+  explicit Group(const nccl::Api& n) : n_(n) {
+    nccl::check(n_, n_.ncclGroupStart(), kWhat, "ncclGroupStart");
+  }
+  ~Group() {
+    if (open_) n_.ncclGroupEnd();
+  }
+  void end() {
+    open_ = false;
+    nccl::check(n_, n_.ncclGroupEnd(), kWhat, "ncclGroupEnd");
+  }
+
+ private:
+  const nccl::Api& n_;
+  bool open_ = true;
+};
+
+// A fingerprint of the plan's decisions every rank must agree on (which blocks compute, which
+// shards are passed on): they follow from the params and mask captures, which the shape gather
+// cannot see.
+int64_t fingerprint(const RingPlan& plan) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
+  for (const RingStep& step : plan.steps) {
+    for (bool p : step.passes) mix(p);
+    for (const RingBlock& b : step.blocks)
+      mix(uint64_t(b.full_tiles)), mix(uint64_t(b.partial_tiles));
+  }
+  return int64_t(h >> 1);
 }
 
 bool contiguous(const TensorView& t) {
@@ -104,7 +143,7 @@ struct RingAttention::Impl {
   Impl(const Variant& v, ncclComm* c) : variant(v), comm(c) {}
 
   void check_comm(const RingShape& shape);
-  void check_same_everywhere(const RingShape& shape);
+  void check_same_everywhere(const RingShape& shape, const std::string& local_error);
   void build_blocks();
   void merge(const char* entry, FlexcMergeParams& p, int64_t rows, CUstream stream);
 };
@@ -124,29 +163,47 @@ void RingAttention::Impl::check_comm(const RingShape& shape) {
   rank = r, ranks = count;
 }
 
-// Every rank must construct the ring with the same shape: gathered and compared, so that a
-// mismatch is an error here, not a hang (or garbage) in the first send.
-void RingAttention::Impl::check_same_everywhere(const RingShape& s) {
-  const char* names[] = {"ranks",    "seq_len",    "batch", "q_heads",  "kv_heads",
-                         "head_dim", "v_head_dim", "dtype", "sharding", "tile"};
-  const int64_t mine[] = {
-      s.ranks,    s.seq_len, s.batch,          s.q_heads,           s.kv_heads,
-      s.head_dim, dv,        int64_t(s.dtype), int64_t(s.sharding), plan_opts.tile};
+// Every rank must construct the ring with the same shape and plan: gathered and compared, so
+// that a mismatch is an error here, not a hang (or garbage) in the first send. A rank whose own
+// checks failed (`local_error`) joins the gather too: then every rank fails.
+void RingAttention::Impl::check_same_everywhere(const RingShape& s,
+                                                const std::string& local_error) {
+  const char* names[] = {"status",  "ranks",    "seq_len",  "batch",
+                         "q_heads", "kv_heads", "head_dim", "v_head_dim",
+                         "dtype",   "sharding", "tile",     "plan (its params and mask captures)"};
+  const bool ok = local_error.empty();
+  const int64_t mine[] = {ok,
+                          s.ranks,
+                          s.seq_len,
+                          s.batch,
+                          s.q_heads,
+                          s.kv_heads,
+                          s.head_dim,
+                          dv,
+                          int64_t(s.dtype),
+                          int64_t(s.sharding),
+                          plan_opts.tile,
+                          ok ? fingerprint(plan) : 0};
   constexpr size_t kFields = std::size(mine);
   DeviceBuffer send(sizeof(mine)), all(sizeof(mine) * size_t(ranks));
   send.upload(mine, sizeof(mine));
+  synchronize_device();  // the upload ran on the legacy stream; the gather does not wait for it
   nccl::check(
       *nccl,
       nccl->ncclAllGather(send.get(), all.get(), kFields, nccl::kInt64, comm, sync->comm.get()),
       kWhat, "ncclAllGather (comparing the ranks' shapes)");
   sync->comm.synchronize();
   const std::vector<int64_t> got = all.to_vector<int64_t>(kFields * size_t(ranks));
+  if (!ok) throw Error(local_error);
   for (int64_t r = 0; r < ranks; ++r)
-    for (size_t f = 0; f < kFields; ++f)
+    if (got[r * kFields] == 0)
+      fail(fmt::format("rank {} could not construct the ring (its error says why)", r));
+  for (int64_t r = 0; r < ranks; ++r)
+    for (size_t f = 1; f < kFields; ++f)
       if (got[r * kFields + f] != mine[f])
         fail(
             fmt::format("rank {} has {} = {}; this rank ({}) has {}: every rank must construct "
-                        "the ring with the same shape",
+                        "the ring with the same shape, params and mask captures",
                         r, names[f], got[r * kFields + f], rank, mine[f]));
 }
 
@@ -203,12 +260,20 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
   Impl& m = *impl_;
   m.plan_opts = opts;
   m.dv = shape.v_head_dim ? shape.v_head_dim : shape.head_dim;
-  if (shape.dtype != DType::BF16 && shape.dtype != DType::F16)
-    fail(fmt::format("shape.dtype must be bf16 or fp16; got {}", dtype_name(shape.dtype)));
-  m.plan = plan_ring(v, shape, opts);
+  // This rank's own checks; with a usable communicator their failure is shared with every rank
+  // (check_same_everywhere), so that none waits for this one.
+  std::string local_error;
+  try {
+    if (shape.dtype != DType::BF16 && shape.dtype != DType::F16)
+      fail(fmt::format("shape.dtype must be bf16 or fp16; got {}", dtype_name(shape.dtype)));
+    m.plan = plan_ring(v, shape, opts);
+  } catch (const Error& e) {
+    local_error = e.what();
+  }
+  if (!local_error.empty() && comm == nullptr) throw Error(local_error);
   m.check_comm(shape);
   m.sync.emplace();
-  m.check_same_everywhere(shape);
+  m.check_same_everywhere(shape, local_error);
   m.per_rank = shape.sharding == Sharding::Zigzag ? 2 : 1;
   m.shard_len = shape.seq_len / shape.ranks;
   m.build_blocks();
@@ -283,31 +348,9 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
     const TensorView held_v = t == 0 ? v : TensorView{slot + m.k_bytes, s.dtype, v.shape, {}};
     // Its blocks wait for its arrival (everything on the ring's stream so far: step t - 1's).
     if (t > 0 && m.recvs[t - 1]) sync.received.order(comm, compute);
-    // Pass it on (and receive the next) while its blocks run. The slot received into was last
-    // read by step t - 1's blocks and step t - 1's send (earlier on this stream).
-    if (t + 1 < m.ranks && (m.sends[t] || m.recvs[t])) {
-      sync.computed.order(compute, comm);
-      const nccl::Api& n = *m.nccl;
-      char* into = static_cast<char*>(m.slots[t % 2].get());
-      const int next = int((m.rank + 1) % m.ranks), prev = int((m.rank - 1 + m.ranks) % m.ranks);
-      nccl::check(n, n.ncclGroupStart(), kWhat, "ncclGroupStart");
-      if (m.sends[t]) {
-        nccl::check(n, n.ncclSend(held_k.data, m.k_bytes, nccl::kUint8, next, m.comm, comm), kWhat,
-                    "ncclSend (K)");
-        nccl::check(n, n.ncclSend(held_v.data, m.v_bytes, nccl::kUint8, next, m.comm, comm), kWhat,
-                    "ncclSend (V)");
-      }
-      if (m.recvs[t]) {
-        nccl::check(n, n.ncclRecv(into, m.k_bytes, nccl::kUint8, prev, m.comm, comm), kWhat,
-                    "ncclRecv (K)");
-        nccl::check(n, n.ncclRecv(into + m.k_bytes, m.v_bytes, nccl::kUint8, prev, m.comm, comm),
-                    kWhat, "ncclRecv (V)");
-      }
-      nccl::check(n, n.ncclGroupEnd(), kWhat, "ncclGroupEnd");
-      communicated = true;
-    }
-    if (t + 1 < m.ranks) (m.sends[t] ? m.stats.sends : m.stats.sends_skipped) += 1;
-
+    // The slot the next shard arrives in was last read by step t - 1's blocks (and its send,
+    // earlier on the ring's stream): the receive waits for what the caller's stream holds now.
+    sync.computed.record(compute);
     for (const Impl::Block& b : m.steps[t]) {
       if (!b.computes) {
         ++m.stats.blocks_skipped;
@@ -336,6 +379,30 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
       m.merge("flexc_attention_merge", p, B * Hq * C, compute);
       ++m.stats.blocks_computed;
     }
+    // Pass the shard on (and receive the next) while its blocks run. Enqueued after them: their
+    // first call loads kernels, which must not wait behind a send in flight.
+    if (t + 1 < m.ranks && (m.sends[t] || m.recvs[t])) {
+      sync.computed.wait(comm);
+      const nccl::Api& n = *m.nccl;
+      char* into = static_cast<char*>(m.slots[t % 2].get());
+      const int next = int((m.rank + 1) % m.ranks), prev = int((m.rank - 1 + m.ranks) % m.ranks);
+      Group group(n);
+      if (m.sends[t]) {
+        nccl::check(n, n.ncclSend(held_k.data, m.k_bytes, nccl::kUint8, next, m.comm, comm), kWhat,
+                    "ncclSend (K)");
+        nccl::check(n, n.ncclSend(held_v.data, m.v_bytes, nccl::kUint8, next, m.comm, comm), kWhat,
+                    "ncclSend (V)");
+      }
+      if (m.recvs[t]) {
+        nccl::check(n, n.ncclRecv(into, m.k_bytes, nccl::kUint8, prev, m.comm, comm), kWhat,
+                    "ncclRecv (K)");
+        nccl::check(n, n.ncclRecv(into + m.k_bytes, m.v_bytes, nccl::kUint8, prev, m.comm, comm),
+                    kWhat, "ncclRecv (V)");
+      }
+      group.end();
+      communicated = true;
+    }
+    if (t + 1 < m.ranks) (m.sends[t] ? m.stats.sends : m.stats.sends_skipped) += 1;
   }
   // The caller's later work on its stream (overwriting k and v, say) waits for the sends.
   if (communicated) sync.finished.order(comm, compute);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <thread>
@@ -57,6 +58,7 @@ RingRunResult run_ring(const RingRunArgs& a) {
   r.stats.resize(n);
   std::vector<double> first(n), warm(n);
   std::vector<std::exception_ptr> errors(n);
+  std::atomic<int> first_failed{-1};  // the root cause; the others may fail from the abort
 
   LocalCommunicators comms(n);
   auto rank_main = [&](int rank) {
@@ -88,7 +90,8 @@ RingRunResult run_ring(const RingRunArgs& a) {
           tk{dk.get(), s.dtype, {B, s.kv_heads, L, s.head_dim}, {}},
           tv{dv.get(), s.dtype, {B, s.kv_heads, L, Dv}, {}},
           to{dout.get(), s.dtype, {B, s.q_heads, L, Dv}, {}};
-      dout.fill(0xff);  // NaN: a row the ring missed cannot pass for a result
+      dout.fill(0xff);       // NaN: a row the ring missed cannot pass for a result
+      synchronize_device();  // the uploads and the fill ran on the legacy stream
       const auto t0 = std::chrono::steady_clock::now();
       RingAttention ring(*a.variant, comms[rank], s, popts);
       ring.forward(tq, tk, tv, to, fo);
@@ -111,13 +114,15 @@ RingRunResult run_ring(const RingRunArgs& a) {
       scatter_rows(lse, r.lse, B * s.q_heads, S, 1, chunks, C);
     } catch (...) {
       errors[rank] = std::current_exception();
+      int none = -1;
+      first_failed.compare_exchange_strong(none, rank);
+      comms.abort();  // the other ranks may be waiting for this one's sends
     }
   };
   std::vector<std::thread> threads;
   for (int rank = 0; rank < n; ++rank) threads.emplace_back(rank_main, rank);
   for (std::thread& t : threads) t.join();
-  for (const std::exception_ptr& e : errors)
-    if (e) std::rethrow_exception(e);
+  if (first_failed >= 0) std::rethrow_exception(errors[first_failed]);
   r.first_ms = *std::max_element(first.begin(), first.end());
   r.ms = *std::max_element(warm.begin(), warm.end());
   return r;
