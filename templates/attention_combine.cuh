@@ -108,11 +108,22 @@ __device__ __forceinline__ float4 load4(const unsigned short* at) {
   return make_float4(f[0], f[1], f[2], f[3]);
 }
 
-// Row r of the [batch, heads, rows] parts as (batch, head, row).
-struct RowAt {
+// The row this warp takes (one warp per row) of [batch, heads, rows] rows, as (b, h, i).
+struct WarpRow {
+  long long row;
   int b, h, i;
-  __device__ __forceinline__ RowAt(int r, int heads, int rows)
-      : b(r / (heads * rows)), h(r / rows % heads), i(r % rows) {}
+  bool valid;
+  __device__ __forceinline__ WarpRow(int batch, int heads, int rows)
+      : row(static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5)) {
+    valid = row < static_cast<long long>(batch) * heads * rows;
+    b = int(row / (static_cast<long long>(heads) * rows)), h = int(row / rows % heads);
+    i = int(row % rows);
+  }
+  // Its row of a [batch, heads, rows, d] tensor with strides (batch, head, row).
+  template <class T>
+  __device__ __forceinline__ T* of(T* base, const long long (&stride)[3]) const {
+    return base + b * stride[0] + h * stride[1] + i * stride[2];
+  }
 };
 
 }  // namespace flexc_combine
@@ -120,13 +131,12 @@ struct RowAt {
 extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_attention_merge(const FlexcMergeParams p) {
   using namespace flexc_combine;
-  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (row >= static_cast<long long>(p.batch) * p.heads * p.rows) return;
+  const WarpRow at(p.batch, p.heads, p.rows);
+  if (!at.valid) return;
   const int lane = threadIdx.x & 31;
-  const RowAt at(row, p.heads, p.rows);
   const long long acc_row =
       (static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 + at.i;
-  const float la = p.acc_lse[acc_row], lb = p.part_lse[row];
+  const float la = p.acc_lse[acc_row], lb = p.part_lse[at.row];
   // Weights over the max (natural log units); a side that saw no key (-inf) weighs 0, a NaN
   // (a flagged argument) makes the row NaN; neither side with a key leaves it as it is.
   const bool nan = la != la || lb != lb;
@@ -134,8 +144,7 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
   if (m == neg_inf()) return;
   const float wa = expf(la - m), wb = expf(lb - m), inv = 1.f / (wa + wb);
   float* acc = p.acc + acc_row * p.dv;
-  const auto* part = static_cast<const unsigned short*>(p.part) + at.b * p.part_stride[0] +
-                     at.h * p.part_stride[1] + at.i * p.part_stride[2];
+  const auto* part = at.of(static_cast<const unsigned short*>(p.part), p.part_stride);
   for (int c = lane * 4; c < p.dv; c += 128) {
     const float4 x = *reinterpret_cast<const float4*>(acc + c), y = load4(part + c);
     // A weight of 0 adds exactly 0, whatever the other side holds.
@@ -152,13 +161,11 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
 extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_attention_merge_store(const FlexcMergeParams p) {
   using namespace flexc_combine;
-  const int row = blockIdx.x * kWarps + (threadIdx.x >> 5);
-  if (row >= static_cast<long long>(p.batch) * p.heads * p.acc_rows) return;
+  const WarpRow at(p.batch, p.heads, p.acc_rows);
+  if (!at.valid) return;
   const int lane = threadIdx.x & 31;
-  const RowAt at(row, p.heads, p.acc_rows);
-  const float* acc = p.acc + static_cast<long long>(row) * p.dv;
-  auto* out = static_cast<unsigned short*>(p.out) + at.b * p.out_stride[0] +
-              at.h * p.out_stride[1] + at.i * p.out_stride[2];
+  const float* acc = p.acc + at.row * p.dv;
+  auto* out = at.of(static_cast<unsigned short*>(p.out), p.out_stride);
   for (int c = lane * 4; c < p.dv; c += 128) {
     const float4 x = *reinterpret_cast<const float4*>(acc + c);
     uint2 packed;
@@ -166,5 +173,5 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     packed.y = flexc_tile::pack2<FLEXC_BF16 != 0>(x.z, x.w);
     *reinterpret_cast<uint2*>(out + c) = packed;
   }
-  if (p.lse != nullptr && lane == 0) p.lse[row] = p.acc_lse[row];
+  if (p.lse != nullptr && lane == 0) p.lse[at.row] = p.acc_lse[at.row];
 }
