@@ -38,9 +38,12 @@
 #include "flexc/blockmask.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "bench_util.h"
 #include "flexc/variant.h"
 
 using namespace flexc;
+using flexc_bench::median;
+using flexc_bench::random_bits;
 
 namespace {
 
@@ -153,27 +156,6 @@ std::vector<uint8_t> fill_capture(const CaptureSpec& c, const std::vector<int64_
     }
   }
   return out;
-}
-
-// n random 16-bit values of `dtype`, uniform in [-2, 2) (never all zeros), made on all threads.
-std::vector<uint16_t> random_bits(size_t n, DType dtype, uint64_t seed) {
-  std::vector<uint16_t> out(n);
-  const unsigned nt = std::max(1u, std::thread::hardware_concurrency());
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < nt; ++t)
-    threads.emplace_back([&, t] {
-      std::mt19937 g(static_cast<uint32_t>(seed + t));
-      std::uniform_real_distribution<float> u(-2.f, 2.f);
-      for (size_t i = t; i < n; i += nt)
-        out[i] = dtype == DType::BF16 ? float_to_bf16(u(g)) : float_to_fp16(u(g));
-    });
-  for (auto& th : threads) th.join();
-  return out;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

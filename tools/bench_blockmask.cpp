@@ -17,20 +17,17 @@
 #include <vector>
 
 #include "blockmask_impl.h"
+#include "bench_util.h"
 #include "flexc/blockmask.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
 
 using namespace flexc;
+using flexc_bench::median;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
 
 double ms_since(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();

@@ -19,12 +19,14 @@
 #include <random>
 #include <vector>
 
+#include "bench_util.h"
 #include "flexc/decode.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
 
 using namespace flexc;
+using flexc_bench::median;
 
 namespace {
 
@@ -49,11 +51,6 @@ std::vector<Case> all_cases() {
   c.push_back({"noop_b8_kv32k_q4", "noop", 8, 32768, 4});
   c.push_back({"causal_b8_kv32k_q4_page16", "causal", 8, 32768, 4, 16});
   return c;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/variant.h"
@@ -23,6 +24,7 @@
 #include "jit/kernels.h"
 
 using namespace flexc;
+using flexc_bench::median;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -36,11 +38,6 @@ double thread_cpu_seconds() {
 
 double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
 }
 
 std::string ms(double s) { return fmt::format("{:.3f} ms", s * 1e3); }

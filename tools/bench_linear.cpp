@@ -24,11 +24,13 @@
 #include <random>
 #include <vector>
 
+#include "bench_util.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/linear.h"
 
 using namespace flexc;
+using flexc_bench::median;
 
 namespace {
 
@@ -49,11 +51,6 @@ std::vector<Case> all_cases() {
   // A feature map's own cost: the no-gate case with and without it.
   c.push_back({"fwd_b8_t2k_none_elu", 8, 2048, 16, 128, "none", false, true});
   return c;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // bf16 bits of normal values, and float32 gates logsigmoid(x) / 16 (GLA's).
