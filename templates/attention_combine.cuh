@@ -8,7 +8,8 @@
 // One warp per row; lanes take 4 columns at a time. FLEXC_BF16 picks the output type.
 // flexc_attention_combine merges all parts of a row at once (decode: float32 parts);
 // flexc_attention_merge folds one 16-bit part at a time into float32 accumulators (ring
-// attention: a block per step), flexc_attention_merge_store writes them out.
+// attention: a block per step), flexc_attention_merge_store writes them out. The ring's backward
+// sums its blocks' gradients: flexc_grad_accumulate(_f32) adds a part into the accumulators.
 #pragma once
 
 #include "attention_params.cuh"
@@ -126,6 +127,27 @@ struct WarpRow {
   }
 };
 
+// acc rows += part rows (a gradient's share from one block): 16-bit or float32 parts.
+template <class Part>
+__device__ __forceinline__ void accumulate(const FlexcMergeParams& p) {
+  const WarpRow at(p.batch, p.heads, p.rows);
+  if (!at.valid) return;
+  const int lane = threadIdx.x & 31;
+  float* acc = p.acc + ((static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 +
+                        at.i) * p.dv;
+  const Part* part = at.of(static_cast<const Part*>(p.part), p.part_stride);
+  for (int c = lane * 4; c < p.dv; c += 128) {
+    float4 x = *reinterpret_cast<const float4*>(acc + c);
+    float4 y;
+    if constexpr (sizeof(Part) == 4)
+      y = *reinterpret_cast<const float4*>(part + c);
+    else
+      y = load4(part + c);
+    x.x += y.x, x.y += y.y, x.z += y.z, x.w += y.w;
+    *reinterpret_cast<float4*>(acc + c) = x;
+  }
+}
+
 }  // namespace flexc_combine
 
 extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
@@ -174,4 +196,14 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     *reinterpret_cast<uint2*>(out + c) = packed;
   }
   if (p.lse != nullptr && lane == 0) p.lse[at.row] = p.acc_lse[at.row];
+}
+
+extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
+    flexc_grad_accumulate(const FlexcMergeParams p) {
+  flexc_combine::accumulate<unsigned short>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
+    flexc_grad_accumulate_f32(const FlexcMergeParams p) {
+  flexc_combine::accumulate<float>(p);
 }

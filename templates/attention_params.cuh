@@ -100,14 +100,17 @@ struct FlexcCombineParams {
 // Ring attention's merge (templates/attention_combine.cuh): flexc_attention_merge folds one
 // block's normalised output and LSE (the part: `rows` rows of each head, its rows row0.. of the
 // shard) into float32 accumulators of the shard's `acc_rows` rows (initially 0 and -inf);
-// flexc_attention_merge_store writes the accumulators out in the output's type.
+// flexc_attention_merge_store writes the accumulators out in the output's type. The backward's
+// gradients use the same rows: flexc_grad_accumulate adds a block's 16-bit part (dq, dk or dv;
+// flexc_grad_accumulate_f32: a float32 part, contiguous) into float32 accumulators, and
+// merge_store without an LSE writes them out; `dv` is then the gradient's head dim.
 struct FlexcMergeParams {
   const void* part;       // 16-bit [batch, heads, rows, dv], part_stride (batch, head, row)
   const float* part_lse;  // [batch, heads, rows], contiguous
   float* acc;             // [batch, heads, acc_rows, dv], contiguous
   float* acc_lse;         // [batch, heads, acc_rows]
   void* out;              // merge_store: 16-bit [batch, heads, acc_rows, dv], out_stride
-  float* lse;             // merge_store: may be null; [batch, heads, acc_rows], contiguous
+  float* lse;             // merge_store: may be null (acc_lse is then not read); contiguous
   long long part_stride[3];
   long long out_stride[3];
   int batch, heads, rows, acc_rows, row0, dv;

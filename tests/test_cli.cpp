@@ -274,8 +274,6 @@ TEST_CASE("flexc run: linear-attention configs pass their forward and backward c
 
 TEST_CASE("flexc run --ranks: ring attention's options are checked before the GPU is needed",
           "[cli][ring]") {
-  refused("run @causal --random 1,2,2,512,512,64 --ranks 2 --backward",
-          "--backward is not part of ring attention (--ranks): its backward is still to come");
   refused("run @causal --random 1,2,2,512,512,64 --ranks 2 --kv-offset 5",
           "--kv-offset is not part of ring attention (--ranks)");
   refused("run @causal --random 1,2,2,512,512,64 --ranks 2 --sharding diagonal",
@@ -291,8 +289,8 @@ TEST_CASE("flexc run --ranks 2: ring attention equals attention on the whole seq
   }
   // Over two GPUs (a thread and an NCCL communicator each), zigzag and contiguous shards, GQA,
   // both head dims and dtypes, captures indexed by position (document ids, alibi slopes), a
-  // window whose far blocks are skipped; the gathered output checked against the float64
-  // reference on the whole sequence.
+  // window whose far blocks are skipped; the gathered output and gradients (the ALiBi slopes'
+  // summed over the ranks) checked against the float64 reference on the whole sequence.
   const std::string dir = std::filesystem::temp_directory_path().string();
   const std::string doc = dir + "/flexc_ring_doc.npy", slope = dir + "/flexc_ring_slope.npy";
   {
@@ -308,21 +306,29 @@ TEST_CASE("flexc run --ranks 2: ring attention equals attention on the whole seq
   }
   const struct {
     std::string args;
-    bool skips;  // some blocks are left out
+    bool skips;     // some blocks are left out
+    bool backward;  // the gradients too (their float64 check is the test's slow part)
   } cases[] = {
-      {"@noop --random 1,4,2,2048,2048,128 --sharding zigzag", false},
-      {"@causal --random 2,4,4,2048,2048,64 --sharding contiguous --dtype fp16", true},
-      {"@causal --random 1,4,2,2048,2048,128 --sharding zigzag", true},  // chunk pairs above
+      {"@noop --random 1,4,2,2048,2048,128 --sharding zigzag", false, false},
+      // dK / dV of rank 0's shard travel to rank 1 and come back; rank 1's stay.
+      {"@causal --random 2,4,4,2048,2048,64 --sharding contiguous --dtype fp16", true, true},
+      {"@causal --random 1,4,2,2048,2048,128 --sharding zigzag", true, true},  // chunk pairs above
       {"@sliding_window --random 1,4,2,2048,2048,128 --param window=200 --sharding contiguous",
+       true, false},
+      {"@document --random 1,4,2,2048,2048,64 --capture doc=" + doc + " --sharding zigzag", true,
+       false},
+      // The slopes' gradient: each rank's share, summed.
+      {"@alibi --random 1,4,2,2048,2048,128 --capture slope=" + slope + " --dtype fp16", false,
        true},
-      {"@document --random 1,4,2,2048,2048,64 --capture doc=" + doc + " --sharding zigzag", true},
-      {"@alibi --random 1,4,2,2048,2048,128 --capture slope=" + slope + " --dtype fp16", false},
   };
   for (const auto& c : cases) {
-    const Result r = run_cli("run " + c.args + " --ranks 2 --check");
-    INFO("flexc run " << c.args << " --ranks 2 --check\n" << r.output);
+    const std::string args = c.args + " --ranks 2 --check" + (c.backward ? " --backward" : "");
+    const Result r = run_cli("run " + args);
+    INFO("flexc run " << args << "\n" << r.output);
     CHECK(r.status == 0);
     CHECK(r.output.find("PASS") != std::string::npos);
+    CHECK(r.output.find("FAIL") == std::string::npos);
+    CHECK((r.output.find("check backward") != std::string::npos) == c.backward);
     CHECK((r.output.find("skipped 0,") == std::string::npos) == c.skips);
   }
 }

@@ -1,12 +1,23 @@
 // Ring attention's schedule (src/ring/plan.cpp): which shard pairs each rank computes per step,
-// which K/V sends are needed, and the balance of the work, against counts worked out by hand.
+// which K/V (and, in the backward, dK / dV) sends are needed, and the balance of the work,
+// against counts worked out by hand; flexc::RingAttention's argument checks; and on two GPUs,
+// ring attention against the float64 reference.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <limits>
+#include <map>
+#include <optional>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "flexc/reference.h"
 #include "flexc/ring.h"
+#include "test_tensors.h"
 
 using namespace flexc;
 
@@ -107,6 +118,65 @@ TEST_CASE("a sliding window's ring skips the pairs beyond the window and their s
   }
 }
 
+TEST_CASE("the backward's dK / dV travel with their K/V and return to their owner once", "[ring]") {
+  // Every rank that holds a shard from step 1 on passes its dK / dV on with the K/V or, where
+  // they stop, back to the owner; a shard that leaves its owner comes back exactly once, and
+  // every block computed away from the owner is on that path.
+  RingPlanOptions window;
+  window.params["window"] = 300;
+  const struct {
+    const char* variant;
+    RingShape shape;
+    RingPlanOptions opts;
+  } plans[] = {
+      {"causal", {.ranks = 8, .seq_len = 8 * 2 * 128}, {}},
+      {"noop", {.ranks = 4, .seq_len = 4 * 2 * 128}, {}},
+      {"causal", {.ranks = 2, .seq_len = 512, .sharding = Sharding::Contiguous}, {}},
+      {"sliding_window", {.ranks = 4, .seq_len = 4 * 256, .sharding = Sharding::Contiguous},
+       window},
+  };
+  for (const auto& c : plans) {
+    INFO(c.variant << " over " << c.shape.ranks << " ranks");
+    const RingPlan plan = plan_ring(Variant::from_catalogue(c.variant), c.shape, c.opts);
+    const int64_t n = c.shape.ranks;
+    const int64_t bytes = c.shape.batch * c.shape.kv_heads * (c.shape.seq_len / n) *
+                          (c.shape.head_dim * 2) * 4;
+    std::vector<int64_t> returns(n, 0);
+    std::vector<bool> holds(n, true);
+    for (int64_t t = 0; t < n; ++t) {
+      const RingStep& step = plan.steps[t];
+      int64_t sends = 0;
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t shard = (r - t + n) % n, to = step.grad_to[r];
+        if (t == 0 || !holds[r]) {
+          CHECK(to == -1);
+          CHECK((!step.blocks[r].computes() || t == 0));
+          continue;
+        }
+        ++sends;
+        if (step.passes[r]) {
+          CHECK(to == (r + 1) % n);
+        } else {
+          CHECK(to == shard);
+          ++returns[shard];
+        }
+      }
+      CHECK(step.grad_sends == sends);
+      CHECK(step.grad_bytes_sent == sends * bytes);
+      std::vector<bool> next(n, false);
+      for (int64_t r = 0; r < n; ++r) next[(r + 1) % n] = holds[r] && step.passes[r];
+      holds = next;
+    }
+    for (int64_t s = 0; s < n; ++s) CHECK(returns[s] == (plan.steps[0].passes[s] ? 1 : 0));
+  }
+  // Contiguous causal over 2 ranks: rank 0's shard visits rank 1 and comes back; rank 1's
+  // stays (rank 0 needs none of its keys).
+  const RingPlan two = plan_ring(Variant::from_catalogue("causal"),
+                                 {.ranks = 2, .seq_len = 512, .sharding = Sharding::Contiguous});
+  CHECK(two.steps[1].grad_to == std::vector<int64_t>{-1, 0});
+  CHECK_THAT(to_string(two), Catch::Contains("|     kv 0: 100% | - | 1 x 0.2 MiB"));
+}
+
 TEST_CASE("plan_ring names a bad field", "[ring]") {
   const Variant causal = Variant::from_catalogue("causal");
   CHECK_THROWS_WITH(plan_ring(causal, {.ranks = 0, .seq_len = 1024}),
@@ -156,4 +226,211 @@ TEST_CASE("RingAttention names a bad argument before any communication", "[ring]
   // A ring of this process's GPUs needs as many of them.
   CHECK_THROWS_WITH(LocalCommunicators(flexc::device_count() + 1),
                     Catch::Contains("need as many CUDA devices"));
+}
+
+// ---- [gpu] on two GPUs: flexc::RingAttention against the float64 reference on the whole sequence
+
+namespace {
+
+using flexc::testing::normal;
+using flexc::testing::random_capture;
+
+DeviceBuffer upload16(DType t, const std::vector<float>& x) {
+  std::vector<uint16_t> bits(x.size());
+  for (size_t i = 0; i < x.size(); ++i)
+    bits[i] = t == DType::BF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
+  DeviceBuffer b(std::max<size_t>(bits.size() * 2, 16));
+  b.upload(bits.data(), bits.size() * 2);
+  return b;
+}
+std::vector<float> download16(DType t, const DeviceBuffer& b, size_t n) {
+  const std::vector<uint16_t> bits = b.to_vector<uint16_t>(n);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = t == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
+  return x;
+}
+
+// One ring case on comms.size() GPUs (a thread per rank), twice over (the second call of each
+// kind reuses the first's buffers: backward twice, forward after backward): random whole-sequence
+// q, k, v, dout and captures; out, LSE and every gradient (float captures' summed over the ranks)
+// from outputs poisoned with NaN, checked against the float64 reference. Returns the blocks the
+// ranks computed and skipped in the last call.
+RingStats check_ring_case(const Variant& v, const RingShape& shape, LocalCommunicators& comms,
+                          std::optional<bool> deterministic) {
+  const int n = comms.size();
+  const DType dt = shape.dtype;
+  const int64_t B = shape.batch, Hq = shape.q_heads, Hkv = shape.kv_heads, S = shape.seq_len,
+                D = shape.head_dim, L = S / n;
+  const std::vector<float> q = normal(size_t(B * Hq * S * D), dt),
+                           k = normal(size_t(B * Hkv * S * D), dt), val = normal(k.size(), dt),
+                           dout = normal(q.size(), dt);
+  std::vector<npy::Array> caps;
+  caps.reserve(v.captures().size());
+  RingPlanOptions popts;
+  ReferenceBackwardProblem rp;
+  ReferenceProblem& fp = rp.forward;
+  for (const CaptureSpec& cs : v.captures()) {
+    caps.push_back(random_capture(cs, B, Hq, S, S));
+    popts.captures[cs.name] = CaptureData{caps.back().bytes.data(), nullptr, caps.back().shape, {}};
+    fp.captures[cs.name] = caps.back().view();
+  }
+  const RingPlan plan = plan_ring(v, shape, popts);
+  const size_t q_shard = q.size() / size_t(n), kv_shard = k.size() / size_t(n);
+
+  std::vector<float> out(q.size()), lse(size_t(B * Hq * S)), dq(q.size()), dk(k.size()),
+      dv(k.size());
+  std::map<std::string, std::vector<float>, std::less<>> cap_grads;
+  for (const npy::Array& a : caps)
+    if (a.dtype == DType::F32) cap_grads[v.captures()[&a - caps.data()].name].assign(a.numel(), 0.f);
+  std::mutex gathering;
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  RingStats total;
+  auto rank_main = [&](int rank) {
+    try {
+      use_device(rank);
+      const std::vector<float> nan_q(q_shard, std::numeric_limits<float>::quiet_NaN()),
+          nan_k(kv_shard, std::numeric_limits<float>::quiet_NaN());
+      const DeviceBuffer bk = upload16(dt, shard_rows(plan, rank, k, B * Hkv, D)),
+                         bq = upload16(dt, shard_rows(plan, rank, q, B * Hq, D)),
+                         bv = upload16(dt, shard_rows(plan, rank, val, B * Hkv, D)),
+                         bdo = upload16(dt, shard_rows(plan, rank, dout, B * Hq, D));
+      const std::vector<int64_t> qs{B, Hq, L, D}, ks{B, Hkv, L, D};
+      const auto view = [&](const DeviceBuffer& b, const std::vector<int64_t>& sh) {
+        return TensorView{b.get(), dt, sh, {}};
+      };
+      std::vector<DeviceBuffer> dcaps;
+      std::map<std::string, DeviceBuffer, std::less<>> dgrads;
+      dcaps.reserve(caps.size());
+      RingForwardOptions fo;
+      for (size_t i = 0; i < caps.size(); ++i) {
+        dcaps.emplace_back(std::max<size_t>(caps[i].bytes.size(), 16));
+        dcaps.back().upload(caps[i].bytes.data(), caps[i].bytes.size());
+        fo.captures[v.captures()[i].name] =
+            TensorView{dcaps.back().get(), caps[i].dtype, caps[i].shape, {}};
+      }
+      DeviceBuffer blse(size_t(B * Hq * L) * 4);
+      const TensorView tlse{blse.get(), DType::F32, {B, Hq, L}, {}};
+      fo.lse = tlse;
+      const Stream stream;
+      fo.stream = stream.get();
+      RingBackwardOptions bwo;
+      bwo.captures = fo.captures;
+      bwo.stream = stream.get();
+      bwo.deterministic = deterministic;
+      RingAttention ring(v, comms[rank], shape, popts);
+      for (int round = 0; round < 2; ++round) {
+        const DeviceBuffer bo = upload16(dt, nan_q), bdq = upload16(dt, nan_q),
+                           bdk = upload16(dt, nan_k), bdv = upload16(dt, nan_k);
+        AttentionGrads grads{view(bdq, qs), view(bdk, ks), view(bdv, ks), {}};
+        for (size_t i = 0; i < caps.size(); ++i) {
+          if (caps[i].dtype != DType::F32) continue;
+          const std::string& name = v.captures()[i].name;
+          DeviceBuffer& g = dgrads[name] = DeviceBuffer(std::max<size_t>(caps[i].bytes.size(), 16));
+          g.fill(0);
+          grads.captures[name] = TensorView{g.get(), DType::F32, caps[i].shape, {}};
+        }
+        synchronize_device();
+        ring.forward(view(bq, qs), view(bk, ks), view(bv, ks), view(bo, qs), fo);
+        ring.backward(view(bq, qs), view(bk, ks), view(bv, ks), view(bo, qs), tlse, view(bdo, qs),
+                      grads, bwo);
+        stream.synchronize();
+        if (round == 0) continue;
+        const std::lock_guard<std::mutex> lock(gathering);
+        unshard_rows(plan, rank, download16(dt, bo, q_shard), out, B * Hq, D);
+        unshard_rows(plan, rank, blse.to_vector<float>(size_t(B * Hq * L)), lse, B * Hq, 1);
+        unshard_rows(plan, rank, download16(dt, bdq, q_shard), dq, B * Hq, D);
+        unshard_rows(plan, rank, download16(dt, bdk, kv_shard), dk, B * Hkv, D);
+        unshard_rows(plan, rank, download16(dt, bdv, kv_shard), dv, B * Hkv, D);
+        for (auto& [name, sum] : cap_grads) {
+          const std::vector<float> share = dgrads.at(name).to_vector<float>(sum.size());
+          for (size_t e = 0; e < sum.size(); ++e) sum[e] += share[e];
+        }
+        total.blocks_computed += ring.stats().blocks_computed;
+        total.blocks_skipped += ring.stats().blocks_skipped;
+        total.grad_sends += ring.stats().grad_sends;
+      }
+    } catch (const std::exception& e) {
+      errors[size_t(rank)] = e.what();
+      comms.abort();  // the other ranks may wait for this one's sends
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < n; ++rank) threads.emplace_back(rank_main, rank);
+  for (std::thread& t : threads) t.join();
+  std::string failed;
+  for (int rank = 0; rank < n; ++rank)
+    if (!errors[size_t(rank)].empty()) failed += fmt::format("rank {}: {}\n", rank, errors[size_t(rank)]);
+  INFO(failed);
+  REQUIRE(failed.empty());
+
+  fp.q = q, fp.k = k, fp.v = val;
+  fp.batch = B, fp.q_heads = Hq, fp.kv_heads = Hkv, fp.q_len = fp.kv_len = S;
+  fp.head_dim = D, fp.dtype = dt;
+  const Accuracy fwd = check_accuracy(reference_attention(v, fp), out, lse);
+  INFO("forward: " << fwd.summary());
+  CHECK(fwd.pass);
+  rp.dout = dout, rp.out = out, rp.lse = lse;
+  const ReferenceBackward r = reference_attention_backward(v, rp);
+  std::map<std::string, std::span<const float>, std::less<>> checked;
+  for (const auto& [name, g] : r.captures) checked[name] = cap_grads.at(name);
+  const BackwardAccuracy bwd = check_gradients(r, dq, dk, dv, checked);
+  INFO("backward: " << bwd.summary());
+  CHECK(bwd.pass);
+  return total;
+}
+
+}  // namespace
+
+TEST_CASE("ring attention over 2 GPUs: every catalogue variant, forward and backward, against "
+          "the reference",
+          "[gpu][ring]") {
+  if (flexc::device_count() < 2) {
+    WARN("fewer than 2 GPUs: skipped");
+    return;
+  }
+  // Per variant one shape: zigzag and contiguous shards, bf16 and fp16, head dims 64 and 128,
+  // GQA (4 query heads on 2 kv heads), B 1 and 2, dq by atomics or deterministic.
+  const std::vector<std::string> names = Variant::catalogue_names();
+  REQUIRE(names.size() >= 10);
+  LocalCommunicators comms(2);
+  for (size_t vi = 0; vi < names.size(); ++vi) {
+    const RingShape shape{.ranks = 2, .seq_len = 1024, .batch = vi % 3 == 0 ? 2 : 1,
+                          .q_heads = 4, .kv_heads = 2, .head_dim = vi / 2 % 2 ? 128 : 64,
+                          .dtype = (vi + vi / 2) % 2 ? DType::F16 : DType::BF16,
+                          .sharding = vi % 2 ? Sharding::Contiguous : Sharding::Zigzag};
+    INFO(names[vi] << ": " << (vi % 2 ? "contiguous" : "zigzag") << ", "
+                   << dtype_name(shape.dtype) << ", B " << shape.batch << ", D "
+                   << shape.head_dim);
+    const RingStats st = check_ring_case(Variant::from_catalogue(names[vi]), shape, comms,
+                                         vi % 3 == 1 ? std::optional<bool>(true) : std::nullopt);
+    CHECK(st.blocks_computed > 0);
+  }
+}
+
+TEST_CASE("ring attention over 4 GPUs: dK / dV passed on and returned early, skipped blocks",
+          "[gpu][ring]") {
+  if (flexc::device_count() < 4) {
+    WARN("fewer than 4 GPUs: skipped");
+    return;
+  }
+  // Four ranks run what two cannot: dK / dV copies passed on to a third rank, and shards whose
+  // travel ends before the last step (the catalogue's 1024-token window over contiguous shards
+  // of 512: a shard visits the next two ranks, then its gradient returns).
+  LocalCommunicators comms(4);
+  const struct {
+    const char* variant;
+    Sharding sharding;
+    bool skips;
+  } cases[] = {{"noop", Sharding::Zigzag, false},
+               {"causal", Sharding::Zigzag, true},
+               {"causal", Sharding::Contiguous, true},
+               {"sliding_window", Sharding::Contiguous, true},
+               {"sliding_window", Sharding::Zigzag, true}};
+  for (const auto& c : cases) {
+    const RingShape shape{.ranks = 4, .seq_len = 2048, .batch = 1, .q_heads = 4, .kv_heads = 2,
+                          .head_dim = 64, .sharding = c.sharding};
+    INFO(c.variant << ", " << (c.sharding == Sharding::Zigzag ? "zigzag" : "contiguous"));
+    const RingStats st = check_ring_case(Variant::from_catalogue(c.variant), shape, comms, {});
+    CHECK((st.blocks_skipped > 0) == c.skips);
+  }
 }

@@ -16,6 +16,7 @@
 // queries against it, and then passes it on to rank r + 1. See docs/ring.md.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -62,6 +63,14 @@ struct RingStep {
   int64_t sends = 0;
   int64_t bytes_sent = 0;
   std::vector<bool> passes;  // by rank: whether it passes its shard on (rank r + 1 receives it)
+  // The backward's dK / dV (float32): a shard's gradient starts at its owner (step 0's blocks
+  // add into it there); from step 1 on, the ranks its K/V visits add theirs into a travelling
+  // copy, passed on with the K/V, and the last one returns it to the owner. By rank: where its
+  // travelling copy goes after this step (rank r + 1, or the owner), -1 for nowhere; and the
+  // count and bytes of those sends.
+  std::vector<int64_t> grad_to;
+  int64_t grad_sends = 0;
+  int64_t grad_bytes_sent = 0;
 };
 
 struct RingPlan {
@@ -98,6 +107,35 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
 // sends; then per rank its chunks and work, the totals and the imbalance.
 std::string to_string(const RingPlan& plan);
 
+// Rank `rank`'s shard of a whole-sequence tensor in host memory, [BH, seq_len, d] row-major (BH:
+// batch x heads): its chunks' rows of every (batch, head), in order, as RingAttention takes them;
+// and unshard_rows, the way back (a rank's output rows into the whole). For preparing inputs from
+// a whole sequence and gathering outputs (`flexc run --ranks`, the tests).
+template <class T>
+std::vector<T> shard_rows(const RingPlan& plan, int64_t rank, const std::vector<T>& whole,
+                          int64_t bh, int64_t d) {
+  const int64_t s = plan.shape.seq_len, len = plan.chunk_len;
+  std::vector<T> shard;
+  shard.reserve(size_t(bh * (s / plan.shape.ranks) * d));
+  for (int64_t i = 0; i < bh; ++i)
+    for (int64_t c : plan.chunks.at(size_t(rank))) {
+      const auto from = whole.begin() + (i * s + c * len) * d;
+      shard.insert(shard.end(), from, from + len * d);
+    }
+  return shard;
+}
+template <class T>
+void unshard_rows(const RingPlan& plan, int64_t rank, const std::vector<T>& shard,
+                  std::vector<T>& whole, int64_t bh, int64_t d) {
+  const int64_t s = plan.shape.seq_len, len = plan.chunk_len;
+  auto from = shard.begin();
+  for (int64_t i = 0; i < bh; ++i)
+    for (int64_t c : plan.chunks.at(size_t(rank))) {
+      std::copy(from, from + len * d, whole.begin() + (i * s + c * len) * d);
+      from += len * d;
+    }
+}
+
 // ---- Ring attention over NCCL (docs/ring.md)
 //
 //   flexc::RingAttention ring(variant, comm, {.ranks = 2, .seq_len = 65536, .batch = 1,
@@ -117,7 +155,9 @@ std::string to_string(const RingPlan& plan);
 // [B, Hkv, S / ranks, Dv] of the sequence's S = shape.seq_len tokens, in shape.dtype. The mods see
 // global positions and S, so a variant means what it means on one GPU; captures index the whole
 // sequence. RingPlanOptions' params and mask captures are fixed at construction (the BlockMasks
-// depend on them).
+// depend on them). Calls reuse the object's buffers (K/V slots, accumulators): each call is
+// ordered after the previous one on its stream, so give every call the same stream, or order
+// the streams yourself.
 struct RingForwardOptions {
   // Device captures by name over the whole sequence (Q_LEN / KV_LEN dims: seq_len): every
   // capture a mod reads, on this rank's device.
@@ -128,11 +168,21 @@ struct RingForwardOptions {
   FwdKernel kernel = FwdKernel::Auto;
 };
 
+// The backward's options: the forward's captures, scale and kernel choice again.
+struct RingBackwardOptions {
+  std::map<std::string, TensorView, std::less<>> captures;
+  std::optional<double> scale;
+  CUstream_st* stream = nullptr;
+  FwdKernel kernel = FwdKernel::Auto;
+  std::optional<bool> deterministic;  // as BackwardOptions::deterministic, for each block
+};
+
 // What this rank did in its last call.
 struct RingStats {
-  int64_t blocks_computed = 0;  // (query chunk, K/V chunk) attention calls
+  int64_t blocks_computed = 0;  // (query chunk, K/V chunk) attention (or backward) calls
   int64_t blocks_skipped = 0;   // chunk pairs the mask leaves empty, not computed
   int64_t sends = 0, sends_skipped = 0;  // K/V shards passed on, and not (no later rank needs them)
+  int64_t grad_sends = 0;  // backward: dK / dV passed on or returned to their owner
 };
 
 // NCCL communicators for ranks 0 .. ranks - 1 on this process's CUDA devices 0 .. ranks - 1
@@ -176,6 +226,23 @@ class RingAttention {
   // naming the argument for shapes other than the shard's, a dtype other than shape.dtype, ...
   void forward(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const RingForwardOptions& opts = {});
+
+  // The gradients of the shard (collective, every rank with its shard): given the forward's q,
+  // k, v, its out and LSE (RingForwardOptions::lse, float32 [B, Hq, S / ranks], contiguous) and
+  // dout = dL/dout, writes grads.dq, dk, dv (the shard's shapes, shape.dtype; strides as
+  // attention_backward takes them) and adds into grads.captures (float32, the captures' shapes):
+  // this rank's share of a capture's gradient, which the ranks sum (an all-reduce, as for any
+  // replicated parameter). Needs v_head_dim == head_dim and a head dim the backward kernels take
+  // (32, 64, 96, 128); the loss may not read the LSE (no dlse). K/V go around the ring as in the
+  // forward; dK / dV follow them in float32 and return to their owner (RingStep::grad_to); dq is
+  // summed in float32 here. The first call checks its arguments and allocates its buffers on
+  // every rank before any communication (a failure there fails every rank); a later call's bad
+  // argument throws on that rank only, after which the others wait in their sends: abort the
+  // communicator (ncclCommAbort; LocalCommunicators::abort), as for forward(). Throws
+  // flexc::Error naming the argument.
+  void backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                const TensorView& out, const TensorView& lse, const TensorView& dout,
+                const AttentionGrads& grads, const RingBackwardOptions& opts = {});
 
   const RingPlan& plan() const;
   int64_t rank() const;

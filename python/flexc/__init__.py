@@ -26,8 +26,10 @@ from ._flexc import (  # noqa: F401  (the public names)
     LinearVariant,
     ParamSpec,
     Precision,
+    RingAttention,
     RingBlock,
     RingPlan,
+    RingStats,
     RingStep,
     TileKind,
     Variant,
@@ -90,7 +92,8 @@ def reference_attention(variant, q, k, v, captures=None, params=None, scale=None
 
 __all__ = [
     "BlockMask", "CaptureSpec", "CompiledKernel", "Error", "KernelInfo", "LinearVariant",
-    "ParamSpec", "Precision", "RingBlock", "RingPlan", "RingStep", "TileKind", "Variant",
+    "ParamSpec", "Precision", "RingAttention", "RingBlock", "RingPlan", "RingStats", "RingStep",
+    "TileKind", "Variant",
     "attention", "attention_backward", "compile", "compose", "create_block_mask", "decode",
     "kernel_templates", "linear_attention", "linear_attention_backward", "linear_attention_step",
     "plan_ring", "reference_attention",

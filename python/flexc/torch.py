@@ -26,7 +26,7 @@ import torch
 from . import _flexc
 from ._flexc import CaptureSpec, Error, LinearVariant, ParamSpec, Variant
 
-__all__ = ["BlockMask", "create_block_mask", "flex_attention"]
+__all__ = ["BlockMask", "create_block_mask", "flex_attention", "ring_attention", "ring_shard"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bf16", torch.float16: "fp16",
                 torch.int32: "int32", torch.bool: "bool"}
@@ -488,6 +488,129 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     else:
         out, lse = _forward(query, key, value, caps, block_mask, vkey, scale, pvals, kernel)
     return (out, lse) if return_lse else out
+
+
+# ---- Ring attention (docs/ring.md): one sequence over the ranks of a torch.distributed group
+
+_RINGS: dict = {}  # (variant key, group, shape, params) -> flexc RingAttention, per process
+
+
+def _comm_ptr(group):
+    """The ncclComm_t of `group`'s NCCL backend on the current device, as an int. torch makes it
+    at the group's first collective (or at init_process_group with device_id)."""
+    import torch.distributed as dist
+
+    backend = group._get_backend(torch.device("cuda", torch.cuda.current_device()))
+    if not hasattr(backend, "_comm_ptr"):
+        raise Error("ring_attention needs torch.distributed's NCCL backend (ProcessGroupNCCL "
+                    "with _comm_ptr, torch >= 2.8)")
+    try:
+        ptr = backend._comm_ptr()
+    except RuntimeError:
+        ptr = 0
+    if not ptr:  # not made yet: a collective makes it
+        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        ptr = backend._comm_ptr()
+    return ptr
+
+
+def _host(t):
+    """A mask capture as numpy, for the BlockMasks built on the CPU (bf16 / fp16 as 16-bit bits)."""
+    t = t.detach().cpu().contiguous()
+    return (t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+
+
+def ring_shard(x, rank, ranks, sharding="zigzag", dim=2):
+    """Rank `rank`'s shard of a whole-sequence tensor along `dim` (default: [B, H, S, D]'s S), as
+    ring_attention takes it: chunk `rank` (contiguous), or chunks `rank` and 2 ranks - 1 - rank
+    of 2 x ranks (zigzag), concatenated."""
+    if sharding == "contiguous":
+        return x.chunk(ranks, dim)[rank]
+    if sharding != "zigzag":
+        raise Error(f"ring_shard: sharding must be 'zigzag' or 'contiguous'; got '{sharding}'")
+    chunks = x.chunk(2 * ranks, dim)
+    return torch.cat([chunks[rank], chunks[2 * ranks - 1 - rank]], dim)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring, names, scale, kernel, deterministic, *captures):
+        out = torch.empty(q.shape[:-1] + (v.size(-1),), dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        caps = {n: _raw(t) for n, t in zip(names, captures)}
+        ring.forward(_raw(q), _raw(k), _raw(v), _raw(out), lse=_raw(lse), captures=caps,
+                     scale=scale, stream=_stream_of(q), kernel=kernel)
+        ctx.save_for_backward(q, k, v, out, lse, *captures)
+        ctx.ring, ctx.names, ctx.scale = ring, names, scale
+        ctx.kernel, ctx.deterministic = kernel, deterministic
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *captures = ctx.saved_tensors
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        grads = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                 for n, t in zip(ctx.names, captures)
+                 if t.requires_grad and t.dtype == torch.float32}
+        ctx.ring.backward(_raw(q), _raw(k), _raw(v), _raw(out), _raw(lse),
+                          _raw(dout.contiguous()), _raw(dq), _raw(dk), _raw(dv),
+                          captures={n: _raw(t) for n, t in zip(ctx.names, captures)},
+                          capture_grads={n: _raw(g) for n, g in grads.items()},
+                          scale=ctx.scale, stream=_stream_of(q), deterministic=ctx.deterministic,
+                          kernel=ctx.kernel)
+        return (dq, dk, dv, None, None, None, None, None,
+                *(grads.get(n) for n in ctx.names))
+
+
+def ring_attention(q, k, v, score_mod=None, mask_mod=None, *, group=None, sharding="zigzag",
+                   captures=None, params=None, scale=None, kernel="auto", deterministic=None):
+    """Ring attention (docs/ring.md) over the ranks of a torch.distributed NCCL process group
+    (default: the world), every rank calling it with its shard: q [B, Hq, S / ranks, D], k and
+    v [B, Hkv, S / ranks, D / Dv] (bf16 / fp16 CUDA tensors on the rank's device; ring_shard()
+    cuts them from the whole sequence), of the sequence's S = ranks x q.size(2) tokens. The mods
+    (flexc expressions or a flexc.Variant, as flex_attention takes them) see global positions
+    and S; captures (tensors over the whole sequence, on the rank's device) and params by name.
+    K/V travel around the ring over the group's own communicator; blocks the mask leaves empty
+    are skipped. Returns the shard's output, differentiable in q, k, v and float32 captures that
+    require grad (a capture's gradient is this rank's share: sum it over the ranks, as for any
+    replicated parameter). The first call for a (variant, shape) builds the plan and BlockMasks
+    (collective); later calls reuse them."""
+    import torch.distributed as dist
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.device.type != "cuda":
+            raise Error(f"ring_attention: {name} must be a 4-d CUDA tensor [B, H, S / ranks, D]")
+    group = group or dist.group.WORLD
+    ranks = dist.get_world_size(group)
+    B, Hq, L, E = q.shape
+    S = L * ranks
+    score = ("score", {}, {}) if score_mod is None else _mod_text(score_mod, "score")
+    if mask_mod is None:
+        mask = _mod_text(score_mod, "mask") if isinstance(score_mod, Variant) else ("true", {}, {})
+    else:
+        mask = _mod_text(mask_mod, "mask")
+    sizes = (("KV_LEN", S), ("Q_LEN", S), ("H", Hq), ("B", B))
+    capture_decls, tensors, param_decls = _declare([score[1:], mask[1:]], captures, params, sizes)
+    vkey = _key(score[0], mask[0], capture_decls, param_decls)
+    entry = _lookup(vkey)
+    names = tuple(sorted(capture_decls))
+    for n in names:
+        if n not in tensors:
+            raise Error(f"ring_attention: the variant declares capture '{n}': pass it in captures")
+    values = {n: float(x) for n, x in (params or {}).items()}
+    rkey = (vkey, id(group), tuple(q.shape), tuple(k.shape), v.size(-1), q.dtype, sharding,
+            tuple(sorted(values.items())))
+    ring = _RINGS.get(rkey)
+    if ring is None:
+        ring = _flexc.RingAttention(
+            entry.variant, _comm_ptr(group), ranks, S, sharding=sharding, batch=B, q_heads=Hq,
+            kv_heads=k.size(1), head_dim=E, v_head_dim=v.size(-1), dtype=_DTYPE_NAMES[q.dtype],
+            params=values, captures={n: _host(tensors[n]) for n in names})
+        _RINGS[rkey] = ring
+    scale = None if scale is None else float(scale)
+    caps = [tensors[n] for n in names]
+    return _Ring.apply(q, k.contiguous(), v.contiguous(), ring, names, scale, kernel,
+                       deterministic, *caps)
 
 
 # ---- Gated linear attention (docs/linear.md)

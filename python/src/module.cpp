@@ -148,6 +148,32 @@ std::span<const float> floats4(const py::buffer_info& b, const char* name,
 
 }  // namespace
 
+// RingAttention's calls' shared options: captures (DLPack), scale, stream, kernel.
+template <class Options>
+Options ring_options(Borrowed& b, const Stream& st, const py::dict& captures,
+                     std::optional<double> scale, const std::string& kernel) {
+  Options o;
+  o.captures = capture_views(b, captures, st);
+  o.scale = scale;
+  o.stream = st.cuda;
+  o.kernel = parse_fwd_kernel(kernel);
+  return o;
+}
+
+// A ring's shape from the Python arguments (plan_ring, RingAttention).
+RingShape ring_shape(int64_t ranks, int64_t seq_len, const std::string& sharding, int64_t batch,
+                     int64_t q_heads, std::optional<int64_t> kv_heads, int64_t head_dim,
+                     int64_t v_head_dim, const std::string& dtype) {
+  RingShape s;
+  s.ranks = ranks, s.seq_len = seq_len, s.batch = batch, s.q_heads = q_heads;
+  s.kv_heads = kv_heads.value_or(q_heads), s.head_dim = head_dim, s.v_head_dim = v_head_dim;
+  s.dtype = parse_dtype(dtype);
+  if (sharding == "zigzag") s.sharding = Sharding::Zigzag;
+  else if (sharding == "contiguous") s.sharding = Sharding::Contiguous;
+  else throw Error("sharding must be 'zigzag' or 'contiguous'; got '" + sharding + "'");
+  return s;
+}
+
 PYBIND11_MODULE(_flexc, m) {
   m.doc() = "flexc: attention variants from two expressions, JIT-compiled for NVIDIA GPUs";
   static py::exception<Error> error(m, "Error", PyExc_ValueError);
@@ -366,7 +392,10 @@ PYBIND11_MODULE(_flexc, m) {
       .def_readonly("blocks", &RingStep::blocks)
       .def_readonly("sends", &RingStep::sends)
       .def_readonly("passes", &RingStep::passes)
-      .def_readonly("bytes_sent", &RingStep::bytes_sent);
+      .def_readonly("bytes_sent", &RingStep::bytes_sent)
+      .def_readonly("grad_to", &RingStep::grad_to)
+      .def_readonly("grad_sends", &RingStep::grad_sends)
+      .def_readonly("grad_bytes_sent", &RingStep::grad_bytes_sent);
   py::class_<RingPlan>(m, "RingPlan")
       .def_readonly("chunk_len", &RingPlan::chunk_len)
       .def_readonly("chunks", &RingPlan::chunks)
@@ -384,13 +413,8 @@ PYBIND11_MODULE(_flexc, m) {
          int64_t batch, int64_t q_heads, std::optional<int64_t> kv_heads, int64_t head_dim,
          const std::string& dtype, int64_t tile, const std::map<std::string, double>& params,
          const std::map<std::string, py::buffer>& captures) {
-        RingShape s;
-        s.ranks = ranks, s.seq_len = seq_len, s.batch = batch, s.q_heads = q_heads;
-        s.kv_heads = kv_heads.value_or(q_heads), s.head_dim = head_dim;
-        s.dtype = parse_dtype(dtype);
-        if (sharding == "zigzag") s.sharding = Sharding::Zigzag;
-        else if (sharding == "contiguous") s.sharding = Sharding::Contiguous;
-        else throw Error("plan_ring: sharding must be 'zigzag' or 'contiguous'; got '" + sharding + "'");
+        const RingShape s =
+            ring_shape(ranks, seq_len, sharding, batch, q_heads, kv_heads, head_dim, 0, dtype);
         RingPlanOptions o;
         o.tile = tile;
         for (const auto& [name, value] : params) o.params[name] = value;
@@ -407,6 +431,96 @@ PYBIND11_MODULE(_flexc, m) {
       "Ring attention's schedule for the variant over `ranks` GPUs (docs/ring.md): per step the "
       "K/V shard each rank holds and its block's tiles, the sends still needed, the balance. "
       "str() prints it as `flexc ring-plan` does.");
+
+  py::class_<RingStats>(m, "RingStats")
+      .def_readonly("blocks_computed", &RingStats::blocks_computed)
+      .def_readonly("blocks_skipped", &RingStats::blocks_skipped)
+      .def_readonly("sends", &RingStats::sends)
+      .def_readonly("sends_skipped", &RingStats::sends_skipped)
+      .def_readonly("grad_sends", &RingStats::grad_sends);
+  py::class_<RingAttention>(m, "RingAttention",
+                            "One rank's side of ring attention over an NCCL communicator "
+                            "(flexc::RingAttention, docs/ring.md). Collective: every rank of the "
+                            "communicator constructs it and calls it with the same arguments.")
+      .def(py::init([](const Variant& v, int64_t comm, int64_t ranks, int64_t seq_len,
+                       const std::string& sharding, int64_t batch, int64_t q_heads,
+                       std::optional<int64_t> kv_heads, int64_t head_dim, int64_t v_head_dim,
+                       const std::string& dtype, int64_t tile,
+                       const std::map<std::string, double>& params,
+                       const std::map<std::string, py::buffer>& captures) {
+             const RingShape s = ring_shape(ranks, seq_len, sharding, batch, q_heads, kv_heads,
+                                            head_dim, v_head_dim, dtype);
+             RingPlanOptions o;
+             o.tile = tile;
+             for (const auto& [name, value] : params) o.params[name] = value;
+             std::vector<py::buffer_info> infos;
+             o.captures = mask_captures(v, captures, infos);
+             py::gil_scoped_release release;
+             return std::make_unique<RingAttention>(v, reinterpret_cast<ncclComm*>(comm), s, o);
+           }),
+           py::arg("variant"), py::arg("comm"), py::arg("ranks"), py::arg("seq_len"),
+           py::kw_only(), py::arg("sharding") = "zigzag", py::arg("batch") = 1,
+           py::arg("q_heads") = 1, py::arg("kv_heads") = py::none(), py::arg("head_dim") = 128,
+           py::arg("v_head_dim") = 0, py::arg("dtype") = "bf16", py::arg("tile") = 128,
+           py::arg("params") = std::map<std::string, double>{},
+           py::arg("captures") = std::map<std::string, py::buffer>{},
+           "comm: the ncclComm_t as an int (torch: the process group's backend's _comm_ptr()); "
+           "the current CUDA device must be the communicator's. captures: the mask's captures "
+           "over the whole sequence, numpy arrays (the BlockMasks are built here).")
+      .def(
+          "forward",
+          [](RingAttention& r, py::handle q, py::handle k, py::handle v, py::handle out,
+             py::handle lse, const py::dict& captures, std::optional<double> scale,
+             std::optional<int64_t> stream, const std::string& kernel) {
+            const Stream st(stream);
+            Borrowed b;
+            RingForwardOptions o = ring_options<RingForwardOptions>(b, st, captures, scale, kernel);
+            o.lse = b.view_or_none(lse, "lse", st.dlpack, true);
+            const TensorView tq = b.view(q, "q", st.dlpack, true),
+                             tk = b.view(k, "k", st.dlpack, true),
+                             tv = b.view(v, "v", st.dlpack, true),
+                             to = b.view(out, "out", st.dlpack, true);
+            py::gil_scoped_release release;
+            r.forward(tq, tk, tv, to, o);
+          },
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::kw_only(),
+          py::arg("lse") = py::none(), py::arg("captures") = py::dict(),
+          py::arg("scale") = py::none(), py::arg("stream") = py::none(),
+          py::arg("kernel") = "auto",
+          "This rank's shard's output (and LSE), CUDA tensors as attention() takes them, of the "
+          "shard's rows (plan.chunks[rank]); collective.")
+      .def(
+          "backward",
+          [](RingAttention& r, py::handle q, py::handle k, py::handle v, py::handle out,
+             py::handle lse, py::handle dout, py::handle dq, py::handle dk, py::handle dv,
+             const py::dict& captures, const py::dict& capture_grads,
+             std::optional<double> scale, std::optional<int64_t> stream,
+             std::optional<bool> deterministic, const std::string& kernel) {
+            const Stream st(stream);
+            Borrowed b;
+            RingBackwardOptions o =
+                ring_options<RingBackwardOptions>(b, st, captures, scale, kernel);
+            o.deterministic = deterministic;
+            const auto view = [&](py::handle x, const char* n) {
+              return b.view(x, n, st.dlpack, true);
+            };
+            AttentionGrads g{view(dq, "dq"), view(dk, "dk"), view(dv, "dv"),
+                             capture_views(b, capture_grads, st)};
+            const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
+                             to = view(out, "out"), tl = view(lse, "lse"), td = view(dout, "dout");
+            py::gil_scoped_release release;
+            r.backward(tq, tk, tv, to, tl, td, g, o);
+          },
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+          py::arg("dout"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::kw_only(),
+          py::arg("captures") = py::dict(), py::arg("capture_grads") = py::dict(),
+          py::arg("scale") = py::none(), py::arg("stream") = py::none(),
+          py::arg("deterministic") = py::none(), py::arg("kernel") = "auto",
+          "The shard's dq, dk, dv (written) and this rank's share of the float32 capture_grads "
+          "(added); collective.")
+      .def_property_readonly("plan", &RingAttention::plan)
+      .def_property_readonly("rank", &RingAttention::rank)
+      .def_property_readonly("stats", &RingAttention::stats);
 
   m.def(
       "_reference_attention",

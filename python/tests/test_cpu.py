@@ -108,6 +108,10 @@ def test_ring_plan():
     assert [b.kv_rank for b in step1.blocks] == [3, 0, 1, 2]
     assert [b.computes for b in step1.blocks] == [False, True, True, True]
     assert step1.bytes_sent == step1.sends * 2 * 2 * 256 * 64 * 2
+    # The backward's dK / dV (float32): ranks 1..3 hold a visiting shard at step 1; rank 3's
+    # (shard 2) goes home, no later rank needs it.
+    assert step1.grad_to == [-1, 2, 3, 2]
+    assert step1.grad_bytes_sent == step1.grad_sends * 2 * 2 * 256 * 64 * 4
     assert "blocks computed 10 of 16" in str(contiguous)
     doc = flexc.Variant.from_catalogue("document")
     ids = np.repeat(np.arange(2, dtype=np.int32), 512)
@@ -118,6 +122,23 @@ def test_ring_plan():
     with pytest.raises(flexc.Error, match="sharding"):
         flexc.plan_ring(causal, 4, 1024, sharding="diagonal")
 
+
+
+def test_ring_attention_refuses_a_null_communicator():
+    causal = flexc.Variant.from_catalogue("causal")
+    with pytest.raises(flexc.Error, match="comm is null"):
+        flexc.RingAttention(causal, 0, 2, 1024, q_heads=4, kv_heads=2, head_dim=64)
+    with pytest.raises(flexc.Error, match="seq_len 1000 must be a multiple"):
+        flexc.RingAttention(causal, 0, 2, 1000)
+
+
+def test_ring_shard():
+    torch = pytest.importorskip("torch")
+    from flexc.torch import ring_shard
+    x = torch.arange(8).view(1, 1, 8, 1)
+    assert ring_shard(x, 0, 2).flatten().tolist() == [0, 1, 6, 7]
+    assert ring_shard(x, 1, 2).flatten().tolist() == [2, 3, 4, 5]
+    assert ring_shard(x, 1, 2, "contiguous").flatten().tolist() == [4, 5, 6, 7]
 
 def test_compile_ahead_of_time_without_a_gpu():
     alibi = flexc.Variant.from_catalogue("alibi")

@@ -19,7 +19,7 @@ namespace flexc::jit {
   X(cuCtxSynchronize) X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction)             \
   X(cuFuncSetAttribute) X(cuFuncGetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree)       \
   X(cuMemcpyHtoD) X(cuMemcpyDtoH) X(cuMemcpyHtoDAsync) X(cuMemcpyDtoHAsync) X(cuMemsetD8)        \
-  X(cuMemsetD8Async) X(cuMemsetD32Async)                                                         \
+  X(cuMemsetD8Async) X(cuMemsetD32Async) X(cuMemcpy2DAsync)                                     \
   X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamSynchronize) X(cuStreamWaitEvent)             \
   X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)                     \
   X(cuEventElapsedTime) X(cuTensorMapEncodeTiled) X(cuMemAllocAsync) X(cuMemFreeAsync)        \

@@ -105,10 +105,13 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
   const int64_t dv = shape.v_head_dim ? shape.v_head_dim : shape.head_dim;
   const int64_t shard_bytes = shape.batch * shape.kv_heads * shard * (shape.head_dim + dv) *
                               int64_t(dtype_size(shape.dtype));
+  const int64_t grad_bytes = shape.batch * shape.kv_heads * shard * (shape.head_dim + dv) * 4;
   plan.rank_tiles.assign(n, 0);
   plan.rank_elements.assign(n, 0.0);
+  std::vector<bool> holds(n, true);  // by rank: it holds its shard at step t (step 0: its own)
   for (int64_t t = 0; t < n; ++t) {
     RingStep step;
+    step.grad_to.assign(n, -1);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t s = (r - t + n) % n;
       const RingBlock& blk = pair[r * n + s];
@@ -129,6 +132,18 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
         ++plan.skipped_sends;
       }
     }
+    // The gradient of the shard a rank holds goes on with the K/V, or home where they stop
+    // (the owner keeps step 0's share itself: nothing travels before step 1).
+    for (int64_t r = 0; r < n && t > 0; ++r) {
+      if (!holds[r]) continue;
+      const int64_t s = (r - t + n) % n;
+      step.grad_to[r] = step.passes[r] ? (r + 1) % n : s;
+      ++step.grad_sends;
+      step.grad_bytes_sent += grad_bytes;
+    }
+    std::vector<bool> next(n, false);
+    for (int64_t r = 0; r < n; ++r) next[(r + 1) % n] = holds[r] && step.passes[r];
+    holds = std::move(next);
     plan.steps.push_back(std::move(step));
   }
   const int64_t total = std::accumulate(plan.rank_tiles.begin(), plan.rank_tiles.end(), int64_t(0));
@@ -149,7 +164,7 @@ std::string to_string(const RingPlan& plan) {
       plan.tile, s.batch, s.q_heads, s.kv_heads, s.head_dim, dtype_name(s.dtype));
   out += "step";
   for (int64_t r = 0; r < n; ++r) out += fmt::format(" | {:>14}", fmt::format("rank {}", r));
-  out += " | K/V sent\n";
+  out += " | K/V sent | dK/dV sent (backward)\n";
   for (size_t t = 0; t < plan.steps.size(); ++t) {
     const RingStep& step = plan.steps[t];
     out += fmt::format("{:>4}", t);
@@ -157,10 +172,12 @@ std::string to_string(const RingPlan& plan) {
       out += fmt::format(" | {:>14}",
                          b.computes() ? fmt::format("kv {}: {:.0f}%", b.kv_rank, b.density * 100)
                                       : fmt::format("kv {}: -", b.kv_rank));
-    out += t + 1 == plan.steps.size()
-               ? " | -\n"
-               : fmt::format(" | {} x {:.1f} MiB\n", step.sends,
-                             step.sends ? double(step.bytes_sent) / step.sends / (1 << 20) : 0.0);
+    const auto sent = [](int64_t count, int64_t bytes) {
+      return count ? fmt::format("{} x {:.1f} MiB", count, double(bytes) / count / (1 << 20))
+                   : std::string("-");
+    };
+    out += fmt::format(" | {} | {}\n", sent(step.sends, step.bytes_sent),
+                       sent(step.grad_sends, step.grad_bytes_sent));
   }
   out +=
       "(kv R: X% = the rank computes against rank R's K/V shard, X% of that block kept by the "

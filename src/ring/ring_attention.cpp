@@ -135,17 +135,64 @@ struct RingAttention::Impl {
   // checked: a bad one is reported before any CUDA work).
   struct Sync {
     Stream comm;
-    Event computed, received, finished;
+    Event computed, received, finished, grad_ready, grad_received;
   };
   std::optional<Sync> sync;
+  // The backward's buffers, made by its first call: float32 dq of the shard, dK / dV of this
+  // rank's own shard (`home`: dk [B, Hkv, L, D] then dv), two travelling copies of another
+  // shard's, the own one's returned copy; a block's 16-bit dq, dk, dv and the LSE rows of each
+  // query chunk (zigzag: the shard's rows are two chunks).
+  struct Backward {
+    DeviceBuffer dq_acc, home, slots[2], returned, part, lse_parts;
+  };
+  std::optional<Backward> bwd;
+  size_t grad_bytes = 0;  // a shard's dK and dV in float32
   RingStats stats;
 
   Impl(const Variant& v, ncclComm* c) : variant(v), comm(c) {}
 
   void check_comm(const RingShape& shape);
   void check_same_everywhere(const RingShape& shape, const std::string& local_error);
+  // Collective: every rank says whether its own step (`doing`) succeeded; throws on every rank
+  // if any failed (its own error where it failed), so that none waits for a send that never
+  // comes.
+  void agree(const std::string& local_error, const char* doing);
   void build_blocks();
   void merge(const char* entry, FlexcMergeParams& p, int64_t rows, CUstream stream);
+  // The arguments' shard shapes and dtype; k and v contiguous (they are sent as they are).
+  void check_shard(std::initializer_list<std::pair<const char*, const TensorView*>> q_like,
+                   std::initializer_list<std::pair<const char*, const TensorView*>> kv_like,
+                   const TensorView& k, const TensorView& v) const;
+  // The K/V shard held at step t (this rank's own at step 0, then a slot's) and its exchange
+  // after the step's blocks: passed to rank r + 1, the next received from r - 1 (ring stream).
+  std::pair<TensorView, TensorView> held(int64_t t, const TensorView& k,
+                                         const TensorView& v) const;
+  bool exchange(int64_t t, const TensorView& held_k, const TensorView& held_v);
+  // Whether step t computes block b (a skipped one is counted); computing with a shard this
+  // rank did not receive would be a bug of the plan.
+  bool computes(const Block& b, int64_t t);
+  // A block call's options (AttentionOptions or BackwardOptions): its BlockMask and positions,
+  // the plan's params, the call's captures, scale and kernel.
+  template <class Options, class Call>
+  Options block_options(const Block& b, const Call& call, CUstream stream) const {
+    Options o;
+    o.block_mask = b.mask ? &*b.mask : nullptr;
+    o.captures = call.captures;
+    o.params = plan_opts.params;
+    o.scale = call.scale;
+    o.stream = stream;
+    o.kernel = call.kernel;
+    o.q_offset = b.q_offset, o.kv_offset = b.kv_offset;
+    o.seq_q_len = o.seq_kv_len = plan.shape.seq_len;
+    return o;
+  }
+  // `into` rows [row0, row0 + rows) of each (batch, head) += part_view's rows (16-bit, or
+  // float32 with `f32`).
+  void accumulate(const TensorView& part_view, float* into, int64_t heads, int64_t rows,
+                  int64_t acc_rows, int64_t row0, int64_t width, bool f32, CUstream stream);
+  // out (16-bit) = acc's rows; with lse, the LSE too.
+  void store(float* from, float* from_lse, const TensorView& out, float* lse, int64_t heads,
+             CUstream stream);
 };
 
 void RingAttention::Impl::check_comm(const RingShape& shape) {
@@ -207,6 +254,21 @@ void RingAttention::Impl::check_same_everywhere(const RingShape& s,
                         r, names[f], got[r * kFields + f], rank, mine[f]));
 }
 
+void RingAttention::Impl::agree(const std::string& local_error, const char* doing) {
+  const int64_t ok = local_error.empty();
+  DeviceBuffer send(sizeof(ok)), all(sizeof(ok) * size_t(ranks));
+  send.upload(&ok, sizeof(ok));
+  synchronize_device();  // the upload ran on the legacy stream; the gather does not wait for it
+  nccl::check(*nccl,
+              nccl->ncclAllGather(send.get(), all.get(), 1, nccl::kInt64, comm, sync->comm.get()),
+              kWhat, fmt::format("ncclAllGather ({})", doing));
+  sync->comm.synchronize();
+  const std::vector<int64_t> got = all.to_vector<int64_t>(size_t(ranks));
+  if (!ok) throw Error(local_error);
+  for (int64_t r = 0; r < ranks; ++r)
+    if (got[r] == 0) fail(fmt::format("rank {} failed {} (its error says why)", r, doing));
+}
+
 void RingAttention::Impl::build_blocks() {
   const RingShape& s = plan.shape;
   const int64_t chunk = plan.chunk_len;
@@ -254,6 +316,101 @@ void RingAttention::Impl::merge(const char* entry, FlexcMergeParams& p, int64_t 
   k.launch(unsigned((rows + 3) / 4), 1, 1, 128, 0, stream, argv);
 }
 
+void RingAttention::Impl::check_shard(
+    std::initializer_list<std::pair<const char*, const TensorView*>> q_like,
+    std::initializer_list<std::pair<const char*, const TensorView*>> kv_like, const TensorView& k,
+    const TensorView& v) const {
+  const RingShape& s = plan.shape;
+  const int64_t L = shard_len;
+  const auto expect = [&](const char* name, const TensorView& t, std::vector<int64_t> shape) {
+    detail::check_qkv(kWhat, name, t, s.dtype);
+    if (t.shape != shape)
+      fail(fmt::format("{} must be this rank's shard [{}] (S / ranks = {} rows); got {}", name,
+                       fmt::join(shape, ", "), L, t.describe()));
+  };
+  // q, k and their gradients have the head dim; v, out, dout and theirs v's.
+  const auto width = [&](std::string_view n) {
+    return n == "q" || n == "k" || n == "grads.dq" || n == "grads.dk" ? s.head_dim : dv;
+  };
+  for (const auto& [name, t] : q_like) expect(name, *t, {s.batch, s.q_heads, L, width(name)});
+  for (const auto& [name, t] : kv_like) expect(name, *t, {s.batch, s.kv_heads, L, width(name)});
+  for (const TensorView* t : {&k, &v})
+    if (!contiguous(*t))
+      fail(fmt::format("{} must be contiguous (it is sent to the next rank as is); got {}",
+                       t == &k ? "k" : "v", t->describe()));
+}
+
+std::pair<TensorView, TensorView> RingAttention::Impl::held(int64_t t, const TensorView& k,
+                                                           const TensorView& v) const {
+  if (t == 0) return {k, v};
+  char* slot = static_cast<char*>(slots[(t - 1) % 2].get());
+  return {TensorView{slot, plan.shape.dtype, k.shape, {}},
+          TensorView{slot + k_bytes, plan.shape.dtype, v.shape, {}}};
+}
+
+bool RingAttention::Impl::exchange(int64_t t, const TensorView& held_k,
+                                   const TensorView& held_v) {
+  if (t + 1 < ranks) (sends[t] ? stats.sends : stats.sends_skipped) += 1;
+  if (t + 1 >= ranks || !(sends[t] || recvs[t])) return false;
+  const CUstream c = sync->comm.get();
+  // The slot the next shard arrives in was last read by step t - 1's blocks (and its send,
+  // earlier on the ring's stream): `computed` was recorded before step t's blocks.
+  sync->computed.wait(c);
+  const nccl::Api& n = *nccl;
+  char* into = static_cast<char*>(slots[t % 2].get());
+  const int next = int((rank + 1) % ranks), prev = int((rank - 1 + ranks) % ranks);
+  // (At step 0 the caller's k and v: two tensors, not one slot.)
+  Group group(n);
+  if (sends[t]) {
+    nccl::check(n, n.ncclSend(held_k.data, k_bytes, nccl::kUint8, next, comm, c), kWhat,
+                "ncclSend (K)");
+    nccl::check(n, n.ncclSend(held_v.data, v_bytes, nccl::kUint8, next, comm, c), kWhat,
+                "ncclSend (V)");
+  }
+  if (recvs[t]) {
+    nccl::check(n, n.ncclRecv(into, k_bytes, nccl::kUint8, prev, comm, c), kWhat,
+                "ncclRecv (K)");
+    nccl::check(n, n.ncclRecv(into + k_bytes, v_bytes, nccl::kUint8, prev, comm, c), kWhat,
+                "ncclRecv (V)");
+  }
+  group.end();
+  sync->received.record(c);  // the next step's blocks wait for this, not for later groups
+  return true;
+}
+
+bool RingAttention::Impl::computes(const Block& b, int64_t t) {
+  if (!b.computes) {
+    ++stats.blocks_skipped;
+    return false;
+  }
+  if (t > 0 && !recvs[t - 1])
+    fail(fmt::format("internal: step {} computes a block of a shard it did not receive", t));
+  ++stats.blocks_computed;
+  return true;
+}
+
+void RingAttention::Impl::accumulate(const TensorView& part_view, float* into, int64_t heads,
+                                     int64_t rows, int64_t acc_rows, int64_t row0, int64_t width,
+                                     bool f32, CUstream stream) {
+  FlexcMergeParams p{};
+  p.part = part_view.data, p.acc = into;
+  for (int i = 0; i < 3; ++i) p.part_stride[i] = part_view.stride(i);
+  p.batch = int(part_view.shape[0]), p.heads = int(heads), p.rows = int(rows);
+  p.acc_rows = int(acc_rows), p.row0 = int(row0), p.dv = int(width);
+  merge(f32 ? "flexc_grad_accumulate_f32" : "flexc_grad_accumulate", p,
+        part_view.shape[0] * heads * rows, stream);
+}
+
+void RingAttention::Impl::store(float* from, float* from_lse, const TensorView& out, float* lse,
+                                int64_t heads, CUstream stream) {
+  FlexcMergeParams p{};
+  p.acc = from, p.acc_lse = from_lse, p.out = out.data, p.lse = lse;
+  for (int i = 0; i < 3; ++i) p.out_stride[i] = out.stride(i);
+  p.batch = int(plan.shape.batch), p.heads = int(heads), p.rows = int(shard_len);
+  p.acc_rows = int(shard_len), p.dv = int(out.shape[3]);
+  merge("flexc_attention_merge_store", p, plan.shape.batch * heads * shard_len, stream);
+}
+
 RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& shape,
                              const RingPlanOptions& opts)
     : impl_(std::make_unique<Impl>(v, comm)) {
@@ -284,6 +441,7 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
   m.k_bytes = size_t(kv_rows * shape.head_dim) * elem;
   m.v_bytes = size_t(kv_rows * m.dv) * elem;
   for (DeviceBuffer& slot : m.slots) slot = DeviceBuffer(m.k_bytes + m.v_bytes);
+  m.grad_bytes = size_t(kv_rows * (shape.head_dim + m.dv)) * sizeof(float);
   m.acc = DeviceBuffer(size_t(q_rows * (m.dv + 1)) * sizeof(float));
   // The part's LSE after its output, 16-byte aligned.
   m.part = DeviceBuffer((size_t(part_rows * m.dv) * elem + 15) / 16 * 16 +
@@ -303,25 +461,7 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
   Impl& m = *impl_;
   const RingShape& s = m.plan.shape;
   const int64_t L = m.shard_len, C = m.plan.chunk_len, B = s.batch, Hq = s.q_heads;
-  const struct {
-    const char* name;
-    const TensorView* t;
-    std::vector<int64_t> shape;
-  } args[] = {{"q", &q, {B, Hq, L, s.head_dim}},
-              {"k", &k, {B, s.kv_heads, L, s.head_dim}},
-              {"v", &v, {B, s.kv_heads, L, m.dv}},
-              {"out", &out, {B, Hq, L, m.dv}}};
-  for (const auto& a : args) {
-    detail::check_qkv(kWhat, a.name, *a.t, s.dtype);
-    if (a.t->shape != a.shape)
-      fail(fmt::format("{} must be this rank's shard [{}] (S / ranks = {} rows); got {}", a.name,
-                       fmt::join(a.shape, ", "), L, a.t->describe()));
-  }
-  // K and V go around the ring as they are: contiguous.
-  for (const TensorView* t : {&k, &v})
-    if (!contiguous(*t))
-      fail(fmt::format("{} must be contiguous (it is sent to the next rank as is); got {}",
-                       t == &k ? "k" : "v", t->describe()));
+  m.check_shard({{"q", &q}, {"out", &out}}, {{"k", &k}, {"v", &v}}, k, v);
   if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, L);
 
   const jit::DriverApi& d = jit::driver("running ring attention");
@@ -342,32 +482,14 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
   m.stats = {};
   bool communicated = false;
   for (int64_t t = 0; t < m.ranks; ++t) {
-    // The shard held at step t: this rank's own at first, then the one received at step t - 1.
-    char* slot = t == 0 ? nullptr : static_cast<char*>(m.slots[(t - 1) % 2].get());
-    const TensorView held_k = t == 0 ? k : TensorView{slot, s.dtype, k.shape, {}};
-    const TensorView held_v = t == 0 ? v : TensorView{slot + m.k_bytes, s.dtype, v.shape, {}};
-    // Its blocks wait for its arrival (everything on the ring's stream so far: step t - 1's).
-    if (t > 0 && m.recvs[t - 1]) sync.received.order(comm, compute);
-    // The slot the next shard arrives in was last read by step t - 1's blocks (and its send,
-    // earlier on the ring's stream): the receive waits for what the caller's stream holds now.
+    const auto [held_k, held_v] = m.held(t, k, v);
+    // Its blocks wait for its arrival (step t - 1's exchange).
+    if (t > 0 && m.recvs[t - 1]) sync.received.wait(compute);
     sync.computed.record(compute);
     for (const Impl::Block& b : m.steps[t]) {
-      if (!b.computes) {
-        ++m.stats.blocks_skipped;
-        continue;
-      }
-      if (t > 0 && !m.recvs[t - 1])
-        fail(fmt::format("internal: step {} computes a block of a shard it did not receive", t));
-      AttentionOptions ao;
-      ao.block_mask = b.mask ? &*b.mask : nullptr;
-      ao.captures = opts.captures;
-      ao.params = m.plan_opts.params;
-      ao.scale = opts.scale;
+      if (!m.computes(b, t)) continue;
+      AttentionOptions ao = m.block_options<AttentionOptions>(b, opts, compute);
       ao.lse = TensorView{part_lse, DType::F32, {B, Hq, C}, {}};
-      ao.stream = compute;
-      ao.kernel = opts.kernel;
-      ao.q_offset = b.q_offset, ao.kv_offset = b.kv_offset;
-      ao.seq_q_len = ao.seq_kv_len = s.seq_len;
       const TensorView part{part_out, s.dtype, {B, Hq, C, m.dv}, {}};
       attention(rows_of(q, b.q_chunk * C, C), rows_of(held_k, b.kv_chunk * C, C),
                 rows_of(held_v, b.kv_chunk * C, C), part, m.variant, ao);
@@ -377,41 +499,169 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
       p.batch = int(B), p.heads = int(Hq), p.rows = int(C), p.acc_rows = int(L);
       p.row0 = int(b.q_chunk * C), p.dv = int(m.dv);
       m.merge("flexc_attention_merge", p, B * Hq * C, compute);
-      ++m.stats.blocks_computed;
     }
     // Pass the shard on (and receive the next) while its blocks run. Enqueued after them: their
     // first call loads kernels, which must not wait behind a send in flight.
-    if (t + 1 < m.ranks && (m.sends[t] || m.recvs[t])) {
-      sync.computed.wait(comm);
-      const nccl::Api& n = *m.nccl;
-      char* into = static_cast<char*>(m.slots[t % 2].get());
-      const int next = int((m.rank + 1) % m.ranks), prev = int((m.rank - 1 + m.ranks) % m.ranks);
-      Group group(n);
-      if (m.sends[t]) {
-        nccl::check(n, n.ncclSend(held_k.data, m.k_bytes, nccl::kUint8, next, m.comm, comm), kWhat,
-                    "ncclSend (K)");
-        nccl::check(n, n.ncclSend(held_v.data, m.v_bytes, nccl::kUint8, next, m.comm, comm), kWhat,
-                    "ncclSend (V)");
-      }
-      if (m.recvs[t]) {
-        nccl::check(n, n.ncclRecv(into, m.k_bytes, nccl::kUint8, prev, m.comm, comm), kWhat,
-                    "ncclRecv (K)");
-        nccl::check(n, n.ncclRecv(into + m.k_bytes, m.v_bytes, nccl::kUint8, prev, m.comm, comm),
-                    kWhat, "ncclRecv (V)");
-      }
-      group.end();
-      communicated = true;
-    }
-    if (t + 1 < m.ranks) (m.sends[t] ? m.stats.sends : m.stats.sends_skipped) += 1;
+    communicated |= m.exchange(t, held_k, held_v);
   }
   // The caller's later work on its stream (overwriting k and v, say) waits for the sends.
   if (communicated) sync.finished.order(comm, compute);
-  FlexcMergeParams p{};
-  p.acc = acc, p.acc_lse = acc_lse, p.out = out.data;
-  p.lse = opts.lse ? static_cast<float*>(opts.lse->data) : nullptr;
-  for (int i = 0; i < 3; ++i) p.out_stride[i] = out.stride(i);
-  p.batch = int(B), p.heads = int(Hq), p.rows = int(L), p.acc_rows = int(L), p.dv = int(m.dv);
-  m.merge("flexc_attention_merge_store", p, B * Hq * L, compute);
+  m.store(acc, acc_lse, out, opts.lse ? static_cast<float*>(opts.lse->data) : nullptr, Hq,
+          compute);
+}
+
+void RingAttention::backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& lse, const TensorView& dout,
+                             const AttentionGrads& grads, const RingBackwardOptions& opts) {
+  Impl& m = *impl_;
+  const RingShape& s = m.plan.shape;
+  const int64_t L = m.shard_len, C = m.plan.chunk_len, B = s.batch, Hq = s.q_heads;
+  const int64_t Hkv = s.kv_heads, D = s.head_dim;
+  const size_t elem = dtype_size(s.dtype);
+  const int64_t kv_rows = B * Hkv * L;
+  const auto aligned = [](size_t bytes) { return (bytes + 15) / 16 * 16; };
+  const size_t dq_part_bytes = aligned(size_t(B * Hq * C * D) * elem),
+               dkv_part_bytes = aligned(size_t(B * Hkv * C * D) * elem);
+  const auto check = [&] {
+    if (m.dv != D)
+      fail(fmt::format("backward: v_head_dim {} differs from head_dim {}; the backward kernels "
+                       "need them equal (the forward takes any pair)",
+                       m.dv, D));
+    if (D != 32 && D != 64 && D != 96 && D != 128)
+      fail(fmt::format("backward: head_dim {} is not one of the backward kernels' (32, 64, 96, "
+                       "128)",
+                       D));
+    if (m.plan.tile % 64 != 0)
+      fail(fmt::format("backward: the plan's tile {} is not a multiple of 64 (the backward "
+                       "kernels' BlockMask tiles)",
+                       m.plan.tile));
+    m.check_shard({{"q", &q}, {"out", &out}, {"dout", &dout}, {"grads.dq", &grads.dq}},
+                  {{"k", &k}, {"v", &v}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}}, k,
+                  v);
+    detail::check_rows(kWhat, "lse", lse, B, Hq, L);
+  };
+  if (!m.bwd) {
+    // The first call checks and allocates on every rank before any of them communicates (a
+    // rank that fails here would leave the others waiting); later calls only check.
+    std::string local_error;
+    try {
+      check();
+      Impl::Backward& w = m.bwd.emplace();
+      w.dq_acc = DeviceBuffer(size_t(B * Hq * L * D) * 4);
+      w.home = DeviceBuffer(m.grad_bytes);
+      // slots[1] holds step 1's travelling copy; slots[0] a copy passed on (3 ranks or more).
+      w.slots[1] = DeviceBuffer(m.grad_bytes);
+      if (m.ranks > 2) w.slots[0] = DeviceBuffer(m.grad_bytes);
+      bool returns = false;  // this rank's own shard's dK / dV come back from another rank
+      for (int64_t t = 1; t < m.ranks; ++t)
+        for (int64_t x = 0; x < m.ranks; ++x)
+          returns |=
+              m.plan.steps[t].grad_to[x] == m.rank && (x - t + m.ranks) % m.ranks == m.rank;
+      if (returns) w.returned = DeviceBuffer(m.grad_bytes);
+      w.part = DeviceBuffer(dq_part_bytes + 2 * dkv_part_bytes);
+      if (m.per_rank > 1) w.lse_parts = DeviceBuffer(size_t(m.per_rank * B * Hq * C) * 4);
+    } catch (const std::exception& e) {
+      m.bwd.reset();
+      local_error = e.what();
+    }
+    m.agree(local_error, "the backward's checks and allocations");
+  } else {
+    check();
+  }
+  Impl::Backward& w = *m.bwd;
+
+  const jit::DriverApi& d = jit::driver("running ring attention's backward");
+  Impl::Sync& sync = *m.sync;
+  CUstream compute = opts.stream, comm = sync.comm.get();
+  float* dq_acc = static_cast<float*>(w.dq_acc.get());
+  float* home = static_cast<float*>(w.home.get());
+  jit::check(d.cuMemsetD8Async(w.dq_acc.ptr(), 0, w.dq_acc.size(), compute),
+             "clearing ring attention's gradient accumulators");
+  jit::check(d.cuMemsetD8Async(w.home.ptr(), 0, w.home.size(), compute),
+             "clearing ring attention's gradient accumulators");
+  // Each query chunk's LSE rows, contiguous as the backward takes them.
+  std::vector<TensorView> chunk_lse(size_t(m.per_rank), lse);
+  if (m.per_rank > 1)
+    for (int64_t a = 0; a < m.per_rank; ++a) {
+      float* to = static_cast<float*>(w.lse_parts.get()) + a * B * Hq * C;
+      CUDA_MEMCPY2D cp{};
+      cp.srcMemoryType = cp.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+      cp.srcDevice = reinterpret_cast<CUdeviceptr>(static_cast<float*>(lse.data) + a * C);
+      cp.srcPitch = size_t(L) * 4;
+      cp.dstDevice = reinterpret_cast<CUdeviceptr>(to);
+      cp.dstPitch = size_t(C) * 4;
+      cp.WidthInBytes = size_t(C) * 4;
+      cp.Height = size_t(B * Hq);
+      jit::check(d.cuMemcpy2DAsync(&cp, compute), "copying the LSE rows of a query chunk");
+      chunk_lse[a] = TensorView{to, DType::F32, {B, Hq, C}, {}};
+    }
+  char* part = static_cast<char*>(w.part.get());
+  const TensorView dq_part{part, s.dtype, {B, Hq, C, D}, {}},
+      dk_part{part + dq_part_bytes, s.dtype, {B, Hkv, C, D}, {}},
+      dv_part{part + dq_part_bytes + dkv_part_bytes, s.dtype, {B, Hkv, C, D}, {}};
+
+  m.stats = {};
+  bool communicated = false;
+  for (int64_t t = 0; t < m.ranks; ++t) {
+    const auto [held_k, held_v] = m.held(t, k, v);
+    const bool holds = t == 0 || m.recvs[t - 1];
+    if (t > 0 && m.recvs[t - 1]) sync.received.wait(compute);
+    sync.computed.record(compute);
+    // The held shard's dK / dV: this rank's own at step 0; a fresh travelling copy at step 1
+    // (its owner kept step 0's share); from step 2 the copy received after step t - 1.
+    float* gacc = t == 0 ? home : static_cast<float*>(w.slots[t % 2].get());
+    if (t == 1 && holds)
+      jit::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(gacc), 0, m.grad_bytes, compute),
+                 "clearing a travelling dK / dV");
+    bool arrived = t < 2;
+    for (const Impl::Block& b : m.steps[t]) {
+      if (!m.computes(b, t)) continue;
+      BackwardOptions bo = m.block_options<BackwardOptions>(b, opts, compute);
+      bo.deterministic = opts.deterministic;
+      const int64_t q0 = b.q_chunk * C, kv0 = b.kv_chunk * C;
+      attention_backward(rows_of(q, q0, C), rows_of(held_k, kv0, C), rows_of(held_v, kv0, C),
+                         rows_of(out, q0, C), chunk_lse[b.q_chunk], rows_of(dout, q0, C),
+                         {dq_part, dk_part, dv_part, grads.captures}, m.variant, bo);
+      m.accumulate(dq_part, dq_acc, Hq, C, L, q0, D, false, compute);
+      if (!arrived) sync.grad_received.wait(compute), arrived = true;
+      m.accumulate(dk_part, gacc, Hkv, C, L, kv0, D, false, compute);
+      m.accumulate(dv_part, gacc + kv_rows * D, Hkv, C, L, kv0, D, false, compute);
+    }
+    communicated |= m.exchange(t, held_k, held_v);
+    // dK / dV on (RingStep::grad_to): the travelling copy once this step's blocks added theirs;
+    // the next step's copy from rank r - 1, this rank's own from its last holder.
+    const RingStep& step = m.plan.steps[t];
+    const int64_t to = step.grad_to[m.rank];
+    std::vector<std::pair<int64_t, float*>> from;
+    for (int64_t x = 0; x < m.ranks; ++x)
+      if (step.grad_to[x] == m.rank)
+        from.emplace_back(x, (x - t + m.ranks) % m.ranks == m.rank
+                                 ? static_cast<float*>(w.returned.get())
+                                 : static_cast<float*>(w.slots[(t + 1) % 2].get()));
+    if (to < 0 && from.empty()) continue;
+    sync.grad_ready.order(compute, comm);
+    const nccl::Api& n = *m.nccl;
+    Group group(n);
+    if (to >= 0) {
+      nccl::check(n, n.ncclSend(gacc, m.grad_bytes, nccl::kUint8, int(to), m.comm, comm), kWhat,
+                  "ncclSend (dK, dV)");
+      ++m.stats.grad_sends;
+    }
+    for (const auto& [x, into] : from)
+      nccl::check(n, n.ncclRecv(into, m.grad_bytes, nccl::kUint8, int(x), m.comm, comm), kWhat,
+                  "ncclRecv (dK, dV)");
+    group.end();
+    sync.grad_received.record(comm);
+    communicated = true;
+  }
+  if (communicated) sync.finished.order(comm, compute);
+  if (w.returned.size() > 0) {
+    const TensorView whole{w.returned.get(), DType::F32, {1, 1, 2 * kv_rows, D}, {}};
+    m.accumulate(whole, home, 1, 2 * kv_rows, 2 * kv_rows, 0, D, true, compute);
+  }
+  m.store(dq_acc, nullptr, grads.dq, nullptr, Hq, compute);
+  m.store(home, nullptr, grads.dk, nullptr, Hkv, compute);
+  m.store(home + kv_rows * D, nullptr, grads.dv, nullptr, Hkv, compute);
 }
 
 }  // namespace flexc

@@ -121,6 +121,43 @@ void check_rows(const Options& o, const Variant& variant, const ReferenceProblem
   if (!acc.pass) throw CLI::RuntimeError(1);
 }
 
+// --check --backward: every gradient against the float64 reference's, from the kernels' out and
+// LSE; exits 1 when the tolerance rule fails.
+void check_backward(const Options& o, const Variant& variant, const ReferenceProblem& ref,
+                    const std::vector<float>& dout, const std::vector<float>& out,
+                    const std::vector<float>& lse, const std::vector<float>& dq,
+                    const std::vector<float>& dk, const std::vector<float>& dv,
+                    const std::map<std::string, std::vector<float>, std::less<>>& capture_grads) {
+  const int64_t elements = ref.batch * ref.q_heads * ref.q_len * ref.kv_len;
+  if (elements > kMaxBackwardCheckElements)
+    throw Error(fmt::format("--check --backward computes every gradient on the CPU in float64; "
+                            "B * HQ * Q_LEN * KV_LEN = {} is over {}: check smaller sizes",
+                            elements, kMaxBackwardCheckElements));
+  ReferenceBackwardProblem bp;
+  bp.forward = ref;
+  bp.dout = dout, bp.out = out, bp.lse = lse;
+  const ReferenceBackward rb = reference_attention_backward(variant, bp);
+  std::map<std::string, std::span<const float>, std::less<>> checked;
+  for (const auto& [name, g] : rb.captures) checked[name] = capture_grads.at(name);
+  const BackwardAccuracy acc = check_gradients(rb, dq, dk, dv, checked);
+  fmt::print("check backward (seed {}): {}\n", o.seed, acc.summary());
+  if (!acc.pass) throw CLI::RuntimeError(1);
+}
+
+// The gradients to their --dq / --dk / --dv / --capture-grad files.
+void write_grads(const Options& o, const Input& q, const Input& k, const Input& v,
+                 const std::vector<float>& dq, const std::vector<float>& dk,
+                 const std::vector<float>& dv,
+                 const std::map<std::string, std::string>& capture_grad_files,
+                 const std::map<std::string, std::vector<int64_t>>& capture_shapes,
+                 const std::map<std::string, std::vector<float>, std::less<>>& capture_grads) {
+  if (!o.dq.empty()) npy::write(o.dq, npy::from_float(q.shape, dq));
+  if (!o.dk.empty()) npy::write(o.dk, npy::from_float(k.shape, dk));
+  if (!o.dv.empty()) npy::write(o.dv, npy::from_float(v.shape, dv));
+  for (const auto& [name, file] : capture_grad_files)
+    npy::write(file, npy::from_float(capture_shapes.at(name), capture_grads.at(name)));
+}
+
 // --kv-lens: flexc::decode on K / V as the cache (KV_LEN its capacity), paged with --page-size
 // through a shuffled page table, so that no page follows its predecessor in memory.
 void run_decode(const Options& o, const Variant& variant, DType dtype, const Input& q,
@@ -293,13 +330,9 @@ void run(const Options& o) {
     const std::pair<const char*, bool> not_ring[] = {
         {"--kv-lens", !o.kv_lens.empty()}, {"--q-offsets", !o.q_offsets.empty()},
         {"--kv-offset", o.kv_offset != 0}, {"--seq-lens", !o.seq_lens.empty()},
-        {"--dense", o.dense},              {"--backward", o.backward}};
+        {"--dense", o.dense}};
     for (const auto& [flag, given] : not_ring)
-      if (given)
-        throw Error(fmt::format("{} is not part of ring attention (--ranks){}", flag,
-                                std::string_view(flag) == "--backward"
-                                    ? ": its backward is still to come (docs/ring.md)"
-                                    : ""));
+      if (given) throw Error(fmt::format("{} is not part of ring attention (--ranks)", flag));
   }
   if (o.sharding != "zigzag" && o.sharding != "contiguous")
     throw Error(fmt::format("--sharding '{}': zigzag or contiguous", o.sharding));
@@ -365,6 +398,24 @@ void run(const Options& o) {
   ref.head_dim = D, ref.v_head_dim = Dv, ref.scale = o.scale, ref.params = opts.params;
   ref.dtype = dtype;
   if (!o.kv_lens.empty()) return run_decode(o, variant, dtype, q, k, v, opts, ref, rng);
+  // The backward's dout, read or generated from a generator of its own (a seed gives the same
+  // inputs, dout and check sample with and without --backward, on one GPU or a ring).
+  const auto backward_dout = [&] {
+    if (Dv != D)
+      throw Error(fmt::format("--backward: v's head dim {} differs from q's {}; the backward "
+                              "kernels need them equal (the forward takes any pair)",
+                              Dv, D));
+    std::mt19937_64 dout_rng(o.seed ^ 0x9e3779b97f4a7c15ull);
+    Input dout_in = o.dout.empty() ? random_input(q.shape, dout_rng, dtype)
+                                   : read_input(o.dout, "dout", dtype, "[B, H, SEQ, D]", "");
+    if (dout_in.shape != q.shape)
+      throw Error(fmt::format("--dout {}: shape [{}] must be q's [{}]", o.dout,
+                              fmt::join(dout_in.shape, ", "), fmt::join(q.shape, ", ")));
+    return dout_in;
+  };
+  std::map<std::string, std::vector<int64_t>> capture_shapes;
+  for (size_t i = 0; i < host_caps.size(); ++i)
+    capture_shapes[std::next(captures.begin(), long(i))->first] = host_caps[i].shape;
   if (o.ranks > 0) {
     if (Lq != Lkv)
       throw Error(fmt::format("--ranks: ring attention is self-attention over one sequence; Q_LEN "
@@ -381,20 +432,37 @@ void run(const Options& o) {
     ra.q = &q, ra.k = &k, ra.v = &v;
     ra.scale = o.scale;
     ra.kernel = kernel;
+    std::optional<Input> dout_in;
+    if (o.backward) {
+      dout_in = backward_dout();
+      ra.dout = &*dout_in;
+      if (o.atomic_dq || o.deterministic) ra.deterministic = o.deterministic;
+    }
     const RingRunResult rr = run_ring(ra);
-    int64_t computed = 0, skipped = 0, sends = 0, unsent = 0;
+    int64_t computed = 0, skipped = 0, sends = 0, unsent = 0, grad_sends = 0;
     for (const RingStats& st : rr.stats)
       computed += st.blocks_computed, skipped += st.blocks_skipped, sends += st.sends,
-          unsent += st.sends_skipped;
+          unsent += st.sends_skipped, grad_sends += st.grad_sends;
     fmt::print("{} {}: ring of {} GPUs ({}), B {} Hq {} Hkv {} S {} D {}{}: first call {:.1f} ms "
                "(plan, BlockMasks, compile or cache), forward {:.3f} ms (the slowest rank); "
                "blocks computed {} skipped {}, K/V sends {} skipped {}\n",
                variant.name(), o.dtype, o.ranks, o.sharding, B, Hq, Hkv, Lq, D,
                Dv != D ? fmt::format(" Dv {}", Dv) : "", rr.first_ms, rr.ms, computed, skipped,
                sends, unsent);
+    if (o.backward)
+      fmt::print("backward: first call {:.1f} ms (compile or cache), {:.3f} ms (the slowest "
+                 "rank); dK/dV sends {}\n",
+                 rr.bwd_first_ms, rr.bwd_ms, grad_sends);
     if (!o.out.empty()) npy::write(o.out, npy::from_float(out_shape, rr.out));
     if (!o.lse.empty()) npy::write(o.lse, npy::from_float({B, Hq, Lq}, rr.lse));
-    if (o.check) check_rows(o, variant, ref, rr.out, rr.lse, rng);
+    if (o.backward)
+      write_grads(o, q, k, v, rr.dq, rr.dk, rr.dv, capture_grads, capture_shapes,
+                  rr.capture_grads);
+    if (!o.check) return;
+    check_rows(o, variant, ref, rr.out, rr.lse, rng);
+    if (o.backward)
+      check_backward(o, variant, ref, dout_in->values, rr.out, rr.lse, rr.dq, rr.dk, rr.dv,
+                     rr.capture_grads);
     return;
   }
 
@@ -440,18 +508,10 @@ void run(const Options& o) {
              kernel_ms);
   if (o.check) check_rows(o, variant, ref, out, lse, rng);
   if (!o.backward) return;
-  if (Dv != D)
-    throw Error(fmt::format("--backward: v's head dim {} differs from q's {}; the backward kernels "
-                            "need them equal (the forward above takes any pair)",
-                            Dv, D));
 
-  // ---- backward: dout read or generated, gradients into poisoned buffers (capture gradients
-  // start at 0: the kernel adds into them)
-  const Input dout_in = o.dout.empty() ? random_input(q.shape, rng, dtype)
-                                       : read_input(o.dout, "dout", dtype, "[B, H, SEQ, D]", "");
-  if (dout_in.shape != q.shape)
-    throw Error(fmt::format("--dout {}: shape [{}] must be q's [{}]", o.dout,
-                            fmt::join(dout_in.shape, ", "), fmt::join(q.shape, ", ")));
+  // ---- backward: gradients into poisoned buffers (capture gradients start at 0: the kernel
+  // adds into them)
+  const Input dout_in = backward_dout();
   flexc::DeviceBuffer dout_dev = upload(dout_in.bits.data(), dout_in.bits.size() * 2);
   flexc::DeviceBuffer dq_dev(std::max<size_t>(q.bits.size() * 2, 16)), dk_dev(std::max<size_t>(k.bits.size() * 2, 16)),
       dv_dev(std::max<size_t>(v.bits.size() * 2, 16));
@@ -499,30 +559,12 @@ void run(const Options& o) {
   std::map<std::string, std::vector<float>, std::less<>> gcap;
   for (size_t i = 0; i < grad_names.size(); ++i)
     gcap[grad_names[i]] = dev_grads[i].to_vector<float>(grads.captures[grad_names[i]].numel());
-  if (!o.dq.empty()) npy::write(o.dq, npy::from_float(q.shape, gdq));
-  if (!o.dk.empty()) npy::write(o.dk, npy::from_float(k.shape, gdk));
-  if (!o.dv.empty()) npy::write(o.dv, npy::from_float(v.shape, gdv));
-  for (const auto& [name, file] : capture_grads)
-    npy::write(file, npy::from_float(grads.captures[name].shape, gcap[name]));
+  write_grads(o, q, k, v, gdq, gdk, gdv, capture_grads, capture_shapes, gcap);
   fmt::print("backward ({}, kernel {}): first call {:.1f} ms (compile or cache), kernels {:.3f} ms\n",
              o.atomic_dq ? "dq by atomics" : o.deterministic ? "deterministic" : "dq mode auto",
              to_string(kernel), bwd_first_ms,
              bwd_ms);
-  if (!o.check) return;
-
-  if (B * Hq * Lq * Lkv > kMaxBackwardCheckElements)
-    throw Error(fmt::format("--check --backward computes every gradient on the CPU in float64; "
-                            "B * HQ * Q_LEN * KV_LEN = {} is over {}: check smaller sizes",
-                            B * Hq * Lq * Lkv, kMaxBackwardCheckElements));
-  ReferenceBackwardProblem bp;
-  bp.forward = ref;
-  bp.dout = dout_in.values, bp.out = out, bp.lse = lse;
-  const ReferenceBackward rb = reference_attention_backward(variant, bp);
-  std::map<std::string, std::span<const float>, std::less<>> checked;
-  for (const auto& [name, g] : rb.captures) checked[name] = gcap.at(name);
-  const BackwardAccuracy acc = check_gradients(rb, gdq, gdk, gdv, checked);
-  fmt::print("check backward (seed {}): {}\n", o.seed, acc.summary());
-  if (!acc.pass) throw CLI::RuntimeError(1);
+  if (o.check) check_backward(o, variant, ref, dout_in.values, out, lse, gdq, gdk, gdv, gcap);
 }
 
 const Register reg("run", [](CLI::App& app) {
@@ -598,8 +640,8 @@ const Register reg("run", [](CLI::App& app) {
   cmd->add_option("--ranks", o->ranks,
                   "ring attention over this many GPUs of this machine (a thread and an NCCL "
                   "communicator each): the sequence of --random B,HQ,HKV,S,S,D split into shards, "
-                  "K/V passed around the ring; --check compares the gathered output with the "
-                  "reference on the whole sequence")
+                  "K/V passed around the ring (with --backward, dK / dV too); --check compares "
+                  "the gathered output and gradients with the reference on the whole sequence")
       ->check(int_range(1, 1024));
   cmd->add_option("--sharding", o->sharding,
                   "with --ranks: zigzag (rank r holds chunks r and 2N-1-r; the default) or "

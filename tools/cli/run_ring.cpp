@@ -6,41 +6,13 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <mutex>
 #include <thread>
 
 #include "flexc/device.h"
 #include "flexc/error.h"
 
 namespace flexc::cli {
-
-namespace {
-
-// A rank's shard of a [BH, S, d] array: the rows of its chunks (each `len` long) of every
-// (batch, head), concatenated in order; and back.
-template <class T>
-std::vector<T> gather_rows(const std::vector<T>& whole, int64_t bh, int64_t s, int64_t d,
-                           const std::vector<int64_t>& chunks, int64_t len) {
-  std::vector<T> shard;
-  shard.reserve(size_t(bh * len * int64_t(chunks.size()) * d));
-  for (int64_t i = 0; i < bh; ++i)
-    for (int64_t c : chunks) {
-      const auto from = whole.begin() + (i * s + c * len) * d;
-      shard.insert(shard.end(), from, from + len * d);
-    }
-  return shard;
-}
-template <class T>
-void scatter_rows(const std::vector<T>& shard, std::vector<T>& whole, int64_t bh, int64_t s,
-                  int64_t d, const std::vector<int64_t>& chunks, int64_t len) {
-  auto from = shard.begin();
-  for (int64_t i = 0; i < bh; ++i)
-    for (int64_t c : chunks) {
-      std::copy(from, from + len * d, whole.begin() + (i * s + c * len) * d);
-      from += len * d;
-    }
-}
-
-}  // namespace
 
 RingRunResult run_ring(const RingRunArgs& a) {
   const RingShape& s = a.shape;
@@ -51,12 +23,20 @@ RingRunResult run_ring(const RingRunArgs& a) {
     popts.captures[name] = CaptureData{arr->bytes.data(), nullptr, arr->shape, {}};
   RingRunResult r;
   r.plan = plan_ring(*a.variant, s, popts);
-  const int64_t S = s.seq_len, L = S / n, C = r.plan.chunk_len, B = s.batch;
+  const int64_t S = s.seq_len, L = S / n, B = s.batch;
   const int64_t Dv = s.v_head_dim ? s.v_head_dim : s.head_dim;
   r.out.assign(size_t(B * s.q_heads * S * Dv), 0.f);
   r.lse.assign(size_t(B * s.q_heads * S), 0.f);
   r.stats.resize(n);
-  std::vector<double> first(n), warm(n);
+  const bool backward = a.dout != nullptr;
+  if (backward) {
+    r.dq.assign(a.q->bits.size(), 0.f), r.dk.assign(a.k->bits.size(), 0.f);
+    r.dv.assign(a.v->bits.size(), 0.f);
+    for (const auto& [name, arr] : a.captures)
+      if (arr->dtype == DType::F32) r.capture_grads[name].assign(size_t(arr->numel()), 0.f);
+  }
+  std::mutex summing;  // the ranks' shares of the capture gradients
+  std::vector<double> first(n), warm(n), bwd_first(n), bwd_warm(n);
   std::vector<std::exception_ptr> errors(n);
   std::atomic<int> first_failed{-1};  // the root cause; the others may fail from the abort
 
@@ -64,13 +44,11 @@ RingRunResult run_ring(const RingRunArgs& a) {
   auto rank_main = [&](int rank) {
     try {
       use_device(rank);
-      const std::vector<int64_t>& chunks = r.plan.chunks[rank];
-      const std::vector<uint16_t> q = gather_rows(a.q->bits, B * s.q_heads, S, s.head_dim, chunks,
-                                                  C),
-                                  k = gather_rows(a.k->bits, B * s.kv_heads, S, s.head_dim, chunks,
-                                                  C),
-                                  v = gather_rows(a.v->bits, B * s.kv_heads, S, Dv, chunks, C);
-      const DeviceBuffer dq = DeviceBuffer::from<uint16_t>(q), dk = DeviceBuffer::from<uint16_t>(k),
+      const std::vector<uint16_t> q = shard_rows(r.plan, rank, a.q->bits, B * s.q_heads, s.head_dim),
+                                  k = shard_rows(r.plan, rank, a.k->bits, B * s.kv_heads, s.head_dim),
+                                  v = shard_rows(r.plan, rank, a.v->bits, B * s.kv_heads, Dv);
+      // k, then q, then v: k and v apart, so that code taking one for the other faults or fails.
+      const DeviceBuffer dk = DeviceBuffer::from<uint16_t>(k), dq = DeviceBuffer::from<uint16_t>(q),
                          dv = DeviceBuffer::from<uint16_t>(v);
       DeviceBuffer dout(size_t(B * s.q_heads * L * Dv) * 2), dlse(size_t(B * s.q_heads * L) * 4);
       std::vector<DeviceBuffer> caps;
@@ -104,14 +82,70 @@ RingRunResult run_ring(const RingRunArgs& a) {
       timer.stop(stream.get());
       warm[rank] = timer.elapsed_ms();
       r.stats[rank] = ring.stats();
-      std::vector<uint16_t> out_bits = dout.to_vector<uint16_t>(size_t(B * s.q_heads * L * Dv));
-      std::vector<float> out(out_bits.size()),
-          lse = dlse.to_vector<float>(size_t(B * s.q_heads * L));
-      for (size_t i = 0; i < out.size(); ++i)
-        out[i] = s.dtype == DType::BF16 ? bf16_to_float(out_bits[i]) : fp16_to_float(out_bits[i]);
+      const auto download = [&](const DeviceBuffer& b, size_t count) {
+        const std::vector<uint16_t> bits = b.to_vector<uint16_t>(count);
+        std::vector<float> values(count);
+        for (size_t i = 0; i < count; ++i)
+          values[i] = s.dtype == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
+        return values;
+      };
       // Ranks write disjoint rows of the whole.
-      scatter_rows(out, r.out, B * s.q_heads, S, Dv, chunks, C);
-      scatter_rows(lse, r.lse, B * s.q_heads, S, 1, chunks, C);
+      unshard_rows(r.plan, rank, download(dout, size_t(B * s.q_heads * L * Dv)), r.out,
+                   B * s.q_heads, Dv);
+      unshard_rows(r.plan, rank, dlse.to_vector<float>(size_t(B * s.q_heads * L)), r.lse,
+                   B * s.q_heads, 1);
+      if (!backward) return;
+
+      // The backward from the forward's out and LSE: gradients into poisoned buffers, capture
+      // gradients from 0 (the kernels add into them), twice (the first compiles).
+      const DeviceBuffer dgo =
+          DeviceBuffer::from<uint16_t>(shard_rows(r.plan, rank, a.dout->bits, B * s.q_heads, Dv));
+      DeviceBuffer gq(q.size() * 2), gk(k.size() * 2), gv(v.size() * 2);
+      for (DeviceBuffer* g : {&gq, &gk, &gv}) g->fill(0xff);
+      AttentionGrads grads{TensorView{gq.get(), s.dtype, tq.shape, {}},
+                           TensorView{gk.get(), s.dtype, tk.shape, {}},
+                           TensorView{gv.get(), s.dtype, tv.shape, {}},
+                           {}};
+      std::vector<DeviceBuffer> cap_grads;
+      cap_grads.reserve(r.capture_grads.size());
+      for (const auto& [name, sum] : r.capture_grads) {
+        cap_grads.emplace_back(std::max<size_t>(sum.size() * 4, 16));
+        grads.captures[name] =
+            TensorView{cap_grads.back().get(), DType::F32, fo.captures[name].shape, {}};
+      }
+      RingBackwardOptions bo;
+      bo.captures = fo.captures;
+      bo.scale = a.scale;
+      bo.stream = stream.get();
+      bo.kernel = a.kernel;
+      bo.deterministic = a.deterministic;
+      const TensorView tgo{dgo.get(), s.dtype, to.shape, {}};
+      for (int pass = 0; pass < 2; ++pass) {
+        for (DeviceBuffer& g : cap_grads) g.fill(0);
+        synchronize_device();
+        const auto b0 = std::chrono::steady_clock::now();
+        EventTimer bt;
+        bt.start(stream.get());
+        ring.backward(tq, tk, tv, to, *fo.lse, tgo, grads, bo);
+        bt.stop(stream.get());
+        stream.synchronize();
+        if (pass == 0)
+          bwd_first[rank] = std::chrono::duration<double, std::milli>(
+                                std::chrono::steady_clock::now() - b0)
+                                .count();
+        else
+          bwd_warm[rank] = bt.elapsed_ms();
+      }
+      r.stats[rank] = ring.stats();
+      unshard_rows(r.plan, rank, download(gq, q.size()), r.dq, B * s.q_heads, s.head_dim);
+      unshard_rows(r.plan, rank, download(gk, k.size()), r.dk, B * s.kv_heads, s.head_dim);
+      unshard_rows(r.plan, rank, download(gv, v.size()), r.dv, B * s.kv_heads, Dv);
+      const std::lock_guard<std::mutex> lock(summing);
+      size_t i = 0;
+      for (auto& [name, sum] : r.capture_grads) {
+        const std::vector<float> share = cap_grads[i++].to_vector<float>(sum.size());
+        for (size_t e = 0; e < sum.size(); ++e) sum[e] += share[e];
+      }
     } catch (...) {
       errors[rank] = std::current_exception();
       int none = -1;
@@ -125,6 +159,8 @@ RingRunResult run_ring(const RingRunArgs& a) {
   if (first_failed >= 0) std::rethrow_exception(errors[first_failed]);
   r.first_ms = *std::max_element(first.begin(), first.end());
   r.ms = *std::max_element(warm.begin(), warm.end());
+  r.bwd_first_ms = *std::max_element(bwd_first.begin(), bwd_first.end());
+  r.bwd_ms = *std::max_element(bwd_warm.begin(), bwd_warm.end());
   return r;
 }
 

@@ -3,7 +3,9 @@
 # [gpu] tests of every test binary, each test case in its own process, all at once (cold, most
 # of the time is NVRTC compiling kernels on the CPU; they share the JIT cache, which is safe
 # across processes). Logs go to /tmp/flexc-gpu-logs, failed ones also to $OUT (default ./out).
-# Optional $1: a Catch2 test spec instead of [gpu].
+# Optional $1: a Catch2 test spec instead of [gpu]. Each case gets $FLEXC_TEST_TIMEOUT seconds
+# (default 540): a hang fails as rc 124 with its log in $OUT, not a suite that never ends. Each
+# failure's log goes to $OUT as soon as its case ends, so a caller's own timeout keeps them.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out}; LOGS=/tmp/flexc-gpu-logs; mkdir -p "$OUT" "$LOGS"
@@ -27,7 +29,8 @@ for t in .carry/bin/test_*; do
     [ -n "$test_case" ] || continue
     n=$((n + 1))
     # Catch2 reads ',' in a test spec as "or": escape it.
-    "$t" "${test_case//,/\\,}" >"$LOGS/$name.$n.log" 2>&1 &
+    (timeout "${FLEXC_TEST_TIMEOUT:-540}" "$t" "${test_case//,/\\,}" >"$LOGS/$name.$n.log" 2>&1
+     rc=$?; [ $rc = 0 ] || cp "$LOGS/$name.$n.log" "$OUT/"; exit $rc) &
     pids["$name.$n"]=$!
   done < <("$t" --list-test-names-only "$spec" 2>/dev/null)
 done
@@ -35,6 +38,6 @@ status=0
 for job in $(printf '%s\n' "${!pids[@]}" | sort -V); do
   wait "${pids[$job]}"; rc=$?
   echo "== $job (rc $rc): $(grep -m1 -E '^(All tests passed|test cases:)' "$LOGS/$job.log")"
-  [ $rc = 0 ] || { status=1; cp "$LOGS/$job.log" "$OUT/"; }
+  [ $rc = 0 ] || status=1
 done
 exit $status
