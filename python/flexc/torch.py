@@ -492,7 +492,10 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
 
 # ---- Ring attention (docs/ring.md): one sequence over the ranks of a torch.distributed group
 
-_RINGS: dict = {}  # (variant key, group, shape, params) -> flexc RingAttention, per process
+# (variant, communicator, shapes, params, mask captures' contents) -> flexc RingAttention, the
+# oldest evicted past _MAX_RINGS (every rank makes the same calls, so evicts the same).
+_RINGS: dict = {}
+_MAX_RINGS = 8
 
 
 def _comm_ptr(group):
@@ -549,17 +552,20 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, *captures = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dout = dout.contiguous()  # kept until the kernels reading it are enqueued
+        # Float captures asked for (inputs 8 on): float32 sums, cast back to their dtype.
         grads = {n: torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                 for n, t in zip(ctx.names, captures)
-                 if t.requires_grad and t.dtype == torch.float32}
-        ctx.ring.backward(_raw(q), _raw(k), _raw(v), _raw(out), _raw(lse),
-                          _raw(dout.contiguous()), _raw(dq), _raw(dk), _raw(dv),
+                 for i, (n, t) in enumerate(zip(ctx.names, captures))
+                 if ctx.needs_input_grad[8 + i] and t.is_floating_point()}
+        ctx.ring.backward(_raw(q), _raw(k), _raw(v), _raw(out), _raw(lse), _raw(dout), _raw(dq),
+                          _raw(dk), _raw(dv),
                           captures={n: _raw(t) for n, t in zip(ctx.names, captures)},
                           capture_grads={n: _raw(g) for n, g in grads.items()},
                           scale=ctx.scale, stream=_stream_of(q), deterministic=ctx.deterministic,
                           kernel=ctx.kernel)
         return (dq, dk, dv, None, None, None, None, None,
-                *(grads.get(n) for n in ctx.names))
+                *(grads[n].to(t.dtype) if n in grads else None
+                  for n, t in zip(ctx.names, captures)))
 
 
 def ring_attention(q, k, v, score_mod=None, mask_mod=None, *, group=None, sharding="zigzag",
@@ -573,8 +579,9 @@ def ring_attention(q, k, v, score_mod=None, mask_mod=None, *, group=None, shardi
     K/V travel around the ring over the group's own communicator; blocks the mask leaves empty
     are skipped. Returns the shard's output, differentiable in q, k, v and float32 captures that
     require grad (a capture's gradient is this rank's share: sum it over the ranks, as for any
-    replicated parameter). The first call for a (variant, shape) builds the plan and BlockMasks
-    (collective); later calls reuse them."""
+    replicated parameter). The first call for a variant, shape, params and mask captures builds
+    the plan and BlockMasks (collective); later calls reuse them (the last 8 kept). The group's
+    communicator must be blocking (torch's default; not TORCH_NCCL_USE_COMM_NONBLOCKING)."""
     import torch.distributed as dist
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -598,19 +605,26 @@ def ring_attention(q, k, v, score_mod=None, mask_mod=None, *, group=None, shardi
         if n not in tensors:
             raise Error(f"ring_attention: the variant declares capture '{n}': pass it in captures")
     values = {n: float(x) for n, x in (params or {}).items()}
-    rkey = (vkey, id(group), tuple(q.shape), tuple(k.shape), v.size(-1), q.dtype, sharding,
-            tuple(sorted(values.items())))
-    ring = _RINGS.get(rkey)
-    if ring is None:
-        ring = _flexc.RingAttention(
-            entry.variant, _comm_ptr(group), ranks, S, sharding=sharding, batch=B, q_heads=Hq,
-            kv_heads=k.size(1), head_dim=E, v_head_dim=v.size(-1), dtype=_DTYPE_NAMES[q.dtype],
-            params=values, captures={n: _host(tensors[n]) for n in names})
-        _RINGS[rkey] = ring
-    scale = None if scale is None else float(scale)
-    caps = [tensors[n] for n in names]
-    return _Ring.apply(q, k.contiguous(), v.contiguous(), ring, names, scale, kernel,
-                       deterministic, *caps)
+    with torch.cuda.device(q.device):  # the communicator and the kernels: q's GPU
+        comm = _comm_ptr(group)
+        # The plan and BlockMasks follow the mask captures' contents: a new document layout is
+        # a new ring (host copies, compared by their bytes).
+        host = {n: _host(tensors[n]) for n in names}
+        rkey = (vkey, comm, tuple(q.shape), tuple(k.shape), v.size(-1), q.dtype, sharding,
+                tuple(sorted(values.items())), tuple((n, a.tobytes()) for n, a in host.items()))
+        ring = _RINGS.get(rkey)
+        if ring is None:
+            ring = _flexc.RingAttention(
+                entry.variant, comm, ranks, S, sharding=sharding, batch=B, q_heads=Hq,
+                kv_heads=k.size(1), head_dim=E, v_head_dim=v.size(-1),
+                dtype=_DTYPE_NAMES[q.dtype], params=values, captures=host)
+            if len(_RINGS) >= _MAX_RINGS:
+                del _RINGS[next(iter(_RINGS))]
+            _RINGS[rkey] = ring
+        scale = None if scale is None else float(scale)
+        caps = [tensors[n] for n in names]
+        return _Ring.apply(q, k.contiguous(), v.contiguous(), ring, names, scale, kernel,
+                           deterministic, *caps)
 
 
 # ---- Gated linear attention (docs/linear.md)

@@ -123,7 +123,6 @@ def test_ring_plan():
         flexc.plan_ring(causal, 4, 1024, sharding="diagonal")
 
 
-
 def test_ring_attention_refuses_a_null_communicator():
     causal = flexc.Variant.from_catalogue("causal")
     with pytest.raises(flexc.Error, match="comm is null"):
@@ -139,6 +138,7 @@ def test_ring_shard():
     assert ring_shard(x, 0, 2).flatten().tolist() == [0, 1, 6, 7]
     assert ring_shard(x, 1, 2).flatten().tolist() == [2, 3, 4, 5]
     assert ring_shard(x, 1, 2, "contiguous").flatten().tolist() == [4, 5, 6, 7]
+
 
 def test_compile_ahead_of_time_without_a_gpu():
     alibi = flexc.Variant.from_catalogue("alibi")

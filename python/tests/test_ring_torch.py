@@ -105,6 +105,7 @@ def test_ring_attention_matches_one_gpu(case):
         results = manager.dict()
         mp.spawn(run_rank, args=(port, case, SEED, results), nprocs=2, join=True)
         results = dict(results)
+    assert sorted(results) == [0, 1]
     for rank, errors in results.items():
         for name, (ring, single, nan) in errors.items():
             print(f"{case} rank {rank} {name}: ring rmse {ring:.3g}, one GPU {single:.3g}")

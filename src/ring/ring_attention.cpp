@@ -24,6 +24,7 @@ namespace flexc {
 namespace {
 
 constexpr std::string_view kWhat = "flexc::RingAttention";
+constexpr size_t kGatherFields = 12;  // the most values a rank gathers at once
 [[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
 // A CUDA event of the current context (no timing), destroyed with the object.
@@ -136,6 +137,7 @@ struct RingAttention::Impl {
   struct Sync {
     Stream comm;
     Event computed, received, finished, grad_ready, grad_received;
+    DeviceBuffer gathered;  // the ranks' agreement rounds (made before anything can fail alone)
   };
   std::optional<Sync> sync;
   // The backward's buffers, made by its first call: float32 dq of the shard, dK / dV of this
@@ -152,11 +154,13 @@ struct RingAttention::Impl {
   Impl(const Variant& v, ncclComm* c) : variant(v), comm(c) {}
 
   void check_comm(const RingShape& shape);
-  void check_same_everywhere(const RingShape& shape, const std::string& local_error);
+  void check_same_everywhere(const RingShape& shape, bool ok, const std::string& local_error);
+  // Collective: every rank's `n` values, rank by rank (an all-gather on the ring's stream).
+  std::vector<int64_t> gather(const int64_t* mine, size_t n, const char* doing);
   // Collective: every rank says whether its own step (`doing`) succeeded; throws on every rank
   // if any failed (its own error where it failed), so that none waits for a send that never
   // comes.
-  void agree(const std::string& local_error, const char* doing);
+  void agree(bool ok, const std::string& local_error, const char* doing);
   void build_blocks();
   void merge(const char* entry, FlexcMergeParams& p, int64_t rows, CUstream stream);
   // The arguments' shard shapes and dtype; k and v contiguous (they are sent as they are).
@@ -213,12 +217,25 @@ void RingAttention::Impl::check_comm(const RingShape& shape) {
 // Every rank must construct the ring with the same shape and plan: gathered and compared, so
 // that a mismatch is an error here, not a hang (or garbage) in the first send. A rank whose own
 // checks failed (`local_error`) joins the gather too: then every rank fails.
-void RingAttention::Impl::check_same_everywhere(const RingShape& s,
+std::vector<int64_t> RingAttention::Impl::gather(const int64_t* mine, size_t n,
+                                                 const char* doing) {
+  DeviceBuffer& buf = sync->gathered;
+  int64_t* all = static_cast<int64_t*>(buf.get()) + n;
+  buf.upload(mine, n * sizeof(int64_t));
+  synchronize_device();  // the upload ran on the legacy stream; the gather does not wait for it
+  nccl::check(*nccl, nccl->ncclAllGather(buf.get(), all, n, nccl::kInt64, comm, sync->comm.get()),
+              kWhat, fmt::format("ncclAllGather ({})", doing));
+  sync->comm.synchronize();
+  std::vector<int64_t> got(n * size_t(ranks));
+  buf.download(got.data(), got.size() * sizeof(int64_t), n * sizeof(int64_t));
+  return got;
+}
+
+void RingAttention::Impl::check_same_everywhere(const RingShape& s, bool ok,
                                                 const std::string& local_error) {
   const char* names[] = {"status",  "ranks",    "seq_len",  "batch",
                          "q_heads", "kv_heads", "head_dim", "v_head_dim",
                          "dtype",   "sharding", "tile",     "plan (its params and mask captures)"};
-  const bool ok = local_error.empty();
   const int64_t mine[] = {ok,
                           s.ranks,
                           s.seq_len,
@@ -232,15 +249,8 @@ void RingAttention::Impl::check_same_everywhere(const RingShape& s,
                           plan_opts.tile,
                           ok ? fingerprint(plan) : 0};
   constexpr size_t kFields = std::size(mine);
-  DeviceBuffer send(sizeof(mine)), all(sizeof(mine) * size_t(ranks));
-  send.upload(mine, sizeof(mine));
-  synchronize_device();  // the upload ran on the legacy stream; the gather does not wait for it
-  nccl::check(
-      *nccl,
-      nccl->ncclAllGather(send.get(), all.get(), kFields, nccl::kInt64, comm, sync->comm.get()),
-      kWhat, "ncclAllGather (comparing the ranks' shapes)");
-  sync->comm.synchronize();
-  const std::vector<int64_t> got = all.to_vector<int64_t>(kFields * size_t(ranks));
+  static_assert(kFields <= kGatherFields);
+  const std::vector<int64_t> got = gather(mine, kFields, "comparing the ranks' shapes");
   if (!ok) throw Error(local_error);
   for (int64_t r = 0; r < ranks; ++r)
     if (got[r * kFields] == 0)
@@ -254,16 +264,9 @@ void RingAttention::Impl::check_same_everywhere(const RingShape& s,
                         r, names[f], got[r * kFields + f], rank, mine[f]));
 }
 
-void RingAttention::Impl::agree(const std::string& local_error, const char* doing) {
-  const int64_t ok = local_error.empty();
-  DeviceBuffer send(sizeof(ok)), all(sizeof(ok) * size_t(ranks));
-  send.upload(&ok, sizeof(ok));
-  synchronize_device();  // the upload ran on the legacy stream; the gather does not wait for it
-  nccl::check(*nccl,
-              nccl->ncclAllGather(send.get(), all.get(), 1, nccl::kInt64, comm, sync->comm.get()),
-              kWhat, fmt::format("ncclAllGather ({})", doing));
-  sync->comm.synchronize();
-  const std::vector<int64_t> got = all.to_vector<int64_t>(size_t(ranks));
+void RingAttention::Impl::agree(bool ok, const std::string& local_error, const char* doing) {
+  const int64_t mine = ok;
+  const std::vector<int64_t> got = gather(&mine, 1, doing);
   if (!ok) throw Error(local_error);
   for (int64_t r = 0; r < ranks; ++r)
     if (got[r] == 0) fail(fmt::format("rank {} failed {} (its error says why)", r, doing));
@@ -419,33 +422,48 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
   m.dv = shape.v_head_dim ? shape.v_head_dim : shape.head_dim;
   // This rank's own checks; with a usable communicator their failure is shared with every rank
   // (check_same_everywhere), so that none waits for this one.
+  bool ok = true;
   std::string local_error;
-  try {
+  const auto locally = [&](auto&& step) {
+    if (!ok) return;
+    try {
+      step();
+    } catch (const std::exception& e) {
+      ok = false, local_error = e.what();
+    } catch (...) {
+      ok = false, local_error = std::string(kWhat) + ": an unknown error";
+    }
+  };
+  locally([&] {
     if (shape.dtype != DType::BF16 && shape.dtype != DType::F16)
       fail(fmt::format("shape.dtype must be bf16 or fp16; got {}", dtype_name(shape.dtype)));
     m.plan = plan_ring(v, shape, opts);
-  } catch (const Error& e) {
-    local_error = e.what();
-  }
-  if (!local_error.empty() && comm == nullptr) throw Error(local_error);
+  });
+  if (!ok && comm == nullptr) throw Error(local_error);
   m.check_comm(shape);
   m.sync.emplace();
-  m.check_same_everywhere(shape, local_error);
-  m.per_rank = shape.sharding == Sharding::Zigzag ? 2 : 1;
-  m.shard_len = shape.seq_len / shape.ranks;
-  m.build_blocks();
-  const int64_t kv_rows = shape.batch * shape.kv_heads * m.shard_len;
-  const int64_t q_rows = shape.batch * shape.q_heads * m.shard_len;
-  const int64_t part_rows = shape.batch * shape.q_heads * m.plan.chunk_len;
-  const size_t elem = dtype_size(shape.dtype);
-  m.k_bytes = size_t(kv_rows * shape.head_dim) * elem;
-  m.v_bytes = size_t(kv_rows * m.dv) * elem;
-  for (DeviceBuffer& slot : m.slots) slot = DeviceBuffer(m.k_bytes + m.v_bytes);
-  m.grad_bytes = size_t(kv_rows * (shape.head_dim + m.dv)) * sizeof(float);
-  m.acc = DeviceBuffer(size_t(q_rows * (m.dv + 1)) * sizeof(float));
-  // The part's LSE after its output, 16-byte aligned.
-  m.part = DeviceBuffer((size_t(part_rows * m.dv) * elem + 15) / 16 * 16 +
-                        size_t(part_rows) * sizeof(float));
+  m.sync->gathered = DeviceBuffer(kGatherFields * sizeof(int64_t) * size_t(m.ranks + 1));
+  // The BlockMasks and buffers too: a rank failing here (out of memory, say) fails every rank at
+  // the gather below, not the others' first send.
+  locally([&] {
+    m.per_rank = shape.sharding == Sharding::Zigzag ? 2 : 1;
+    m.shard_len = shape.seq_len / shape.ranks;
+    m.build_blocks();
+    const int64_t kv_rows = shape.batch * shape.kv_heads * m.shard_len;
+    const int64_t q_rows = shape.batch * shape.q_heads * m.shard_len;
+    const int64_t part_rows = shape.batch * shape.q_heads * m.plan.chunk_len;
+    const size_t elem = dtype_size(shape.dtype);
+    m.k_bytes = size_t(kv_rows * shape.head_dim) * elem;
+    m.v_bytes = size_t(kv_rows * m.dv) * elem;
+    for (DeviceBuffer& slot : m.slots) slot = DeviceBuffer(m.k_bytes + m.v_bytes);
+    m.grad_bytes = size_t(kv_rows * (shape.head_dim + m.dv)) * sizeof(float);
+    m.acc = DeviceBuffer(size_t(q_rows * (m.dv + 1)) * sizeof(float));
+    // The part's LSE after its output, 16-byte aligned.
+    m.part = DeviceBuffer((size_t(part_rows * m.dv) * elem + 15) / 16 * 16 +
+                          size_t(part_rows) * sizeof(float));
+  });
+  m.plan_opts.captures.clear();  // host pointers, valid during construction only
+  m.check_same_everywhere(shape, ok, local_error);
 }
 
 RingAttention::~RingAttention() = default;
@@ -543,6 +561,7 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
   if (!m.bwd) {
     // The first call checks and allocates on every rank before any of them communicates (a
     // rank that fails here would leave the others waiting); later calls only check.
+    bool ok = true;
     std::string local_error;
     try {
       check();
@@ -561,10 +580,17 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       w.part = DeviceBuffer(dq_part_bytes + 2 * dkv_part_bytes);
       if (m.per_rank > 1) w.lse_parts = DeviceBuffer(size_t(m.per_rank * B * Hq * C) * 4);
     } catch (const std::exception& e) {
-      m.bwd.reset();
-      local_error = e.what();
+      ok = false, local_error = e.what();
+    } catch (...) {
+      ok = false, local_error = std::string(kWhat) + ": backward: an unknown error";
     }
-    m.agree(local_error, "the backward's checks and allocations");
+    if (!ok) m.bwd.reset();
+    try {
+      m.agree(ok, local_error, "the backward's checks and allocations");
+    } catch (...) {
+      m.bwd.reset();  // every rank starts over at its next call, agreeing again
+      throw;
+    }
   } else {
     check();
   }
