@@ -177,6 +177,34 @@ TEST_CASE("the backward's dK / dV travel with their K/V and return to their owne
   CHECK_THAT(to_string(two), Catch::Contains("|     kv 0: 100% | - | 1 x 0.2 MiB"));
 }
 
+TEST_CASE("shard_rows cuts a rank's chunks out of the whole sequence, unshard_rows puts them back",
+          "[ring]") {
+  // Two (batch, head) rows of 8 tokens, d = 2: element = 100 * bh + 10 * token + column.
+  std::vector<int> whole;
+  for (int bh = 0; bh < 2; ++bh)
+    for (int t = 0; t < 8; ++t)
+      for (int c = 0; c < 2; ++c) whole.push_back(100 * bh + 10 * t + c);
+  RingPlanOptions tiles_of_2;
+  tiles_of_2.tile = 2;
+  const RingPlan zigzag = plan_ring(Variant::from_catalogue("causal"),
+                                    {.ranks = 2, .seq_len = 8, .head_dim = 2}, tiles_of_2);
+  // Rank 1 holds chunks 1 and 2 (tokens 2-5) of each (batch, head).
+  CHECK(shard_rows(zigzag, 1, whole, 2, 2) ==
+        std::vector<int>{20, 21, 30, 31, 40, 41, 50, 51, 120, 121, 130, 131, 140, 141, 150, 151});
+  const RingPlan contiguous =
+      plan_ring(Variant::from_catalogue("causal"),
+                {.ranks = 2, .seq_len = 8, .head_dim = 2, .sharding = Sharding::Contiguous},
+                tiles_of_2);
+  CHECK(shard_rows(contiguous, 1, whole, 2, 2) ==
+        std::vector<int>{40, 41, 50, 51, 60, 61, 70, 71, 140, 141, 150, 151, 160, 161, 170, 171});
+  for (const RingPlan* plan : {&zigzag, &contiguous}) {
+    std::vector<int> back(whole.size(), -1);
+    for (int64_t r = 0; r < 2; ++r)
+      unshard_rows(*plan, r, shard_rows(*plan, r, whole, 2, 2), back, 2, 2);
+    CHECK(back == whole);
+  }
+}
+
 TEST_CASE("plan_ring names a bad field", "[ring]") {
   const Variant causal = Variant::from_catalogue("causal");
   CHECK_THROWS_WITH(plan_ring(causal, {.ranks = 0, .seq_len = 1024}),
