@@ -27,6 +27,7 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+using flexc::testing::download16;
 using flexc::testing::normal;
 using flexc::testing::random_capture;
 using flexc::testing::SweepShape;
@@ -113,20 +114,9 @@ double relative_rmse(const std::vector<float>& got, const std::vector<double>& w
 
 flexc::DeviceBuffer upload16(DType d, const std::vector<float>& x, const std::vector<int64_t>& shape,
                            TensorView& view) {
-  std::vector<uint16_t> bits(std::max<size_t>(x.size(), 8), 0);
-  for (size_t i = 0; i < x.size(); ++i)
-    bits[i] = d == DType::BF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
-  flexc::DeviceBuffer buf(bits.size() * 2);
-  buf.upload(bits.data(), bits.size() * 2);
+  flexc::DeviceBuffer buf = flexc::testing::upload16(d, x);
   view = TensorView{buf.get(), d, shape, {}};
   return buf;
-}
-
-std::vector<float> download16(DType d, const flexc::DeviceBuffer& buf, size_t n) {
-  const std::vector<uint16_t> bits = buf.to_vector<uint16_t>(n);
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = d == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
-  return out;
 }
 
 // Forward (to get out and lse) then backward on the GPU, against direct_backward.

@@ -260,23 +260,10 @@ TEST_CASE("RingAttention names a bad argument before any communication", "[ring]
 
 namespace {
 
+using flexc::testing::download16;
 using flexc::testing::normal;
 using flexc::testing::random_capture;
-
-DeviceBuffer upload16(DType t, const std::vector<float>& x) {
-  std::vector<uint16_t> bits(x.size());
-  for (size_t i = 0; i < x.size(); ++i)
-    bits[i] = t == DType::BF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
-  DeviceBuffer b(std::max<size_t>(bits.size() * 2, 16));
-  b.upload(bits.data(), bits.size() * 2);
-  return b;
-}
-std::vector<float> download16(DType t, const DeviceBuffer& b, size_t n) {
-  const std::vector<uint16_t> bits = b.to_vector<uint16_t>(n);
-  std::vector<float> x(n);
-  for (size_t i = 0; i < n; ++i) x[i] = t == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
-  return x;
-}
+using flexc::testing::upload16;
 
 // One ring case on comms.size() GPUs (a thread per rank), twice over (the second call of each
 // kind reuses the first's buffers: backward twice, forward after backward): random whole-sequence

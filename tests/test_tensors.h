@@ -2,12 +2,14 @@
 // from the replayable generator of test_random.h.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "flexc/device.h"
 #include "flexc/npy.h"
 #include "flexc/tensor.h"
 #include "flexc/variant.h"
@@ -17,6 +19,23 @@ namespace flexc::testing {
 
 inline float round16(DType d, float x) {
   return d == DType::BF16 ? bf16_to_float(float_to_bf16(x)) : fp16_to_float(float_to_fp16(x));
+}
+
+// Values as 16-bit `d` on the device (at least 16 bytes: an empty tensor still has an address),
+// and back.
+inline flexc::DeviceBuffer upload16(DType d, const std::vector<float>& x) {
+  std::vector<uint16_t> bits(std::max<size_t>(x.size(), 8), 0);
+  for (size_t i = 0; i < x.size(); ++i)
+    bits[i] = d == DType::BF16 ? float_to_bf16(x[i]) : float_to_fp16(x[i]);
+  flexc::DeviceBuffer buf(bits.size() * 2);
+  buf.upload(bits.data(), bits.size() * 2);
+  return buf;
+}
+inline std::vector<float> download16(DType d, const flexc::DeviceBuffer& buf, size_t n) {
+  const std::vector<uint16_t> bits = buf.to_vector<uint16_t>(n);
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = d == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
+  return out;
 }
 
 // n normal values (standard deviation sd), each rounded to `d`.

@@ -82,15 +82,8 @@ RingRunResult run_ring(const RingRunArgs& a) {
       timer.stop(stream.get());
       warm[rank] = timer.elapsed_ms();
       r.stats[rank] = ring.stats();
-      const auto download = [&](const DeviceBuffer& b, size_t count) {
-        const std::vector<uint16_t> bits = b.to_vector<uint16_t>(count);
-        std::vector<float> values(count);
-        for (size_t i = 0; i < count; ++i)
-          values[i] = s.dtype == DType::BF16 ? bf16_to_float(bits[i]) : fp16_to_float(bits[i]);
-        return values;
-      };
       // Ranks write disjoint rows of the whole.
-      unshard_rows(r.plan, rank, download(dout, size_t(B * s.q_heads * L * Dv)), r.out,
+      unshard_rows(r.plan, rank, download_16bit(dout, size_t(B * s.q_heads * L * Dv), s.dtype), r.out,
                    B * s.q_heads, Dv);
       unshard_rows(r.plan, rank, dlse.to_vector<float>(size_t(B * s.q_heads * L)), r.lse,
                    B * s.q_heads, 1);
@@ -137,9 +130,9 @@ RingRunResult run_ring(const RingRunArgs& a) {
           bwd_warm[rank] = bt.elapsed_ms();
       }
       r.stats[rank] = ring.stats();
-      unshard_rows(r.plan, rank, download(gq, q.size()), r.dq, B * s.q_heads, s.head_dim);
-      unshard_rows(r.plan, rank, download(gk, k.size()), r.dk, B * s.kv_heads, s.head_dim);
-      unshard_rows(r.plan, rank, download(gv, v.size()), r.dv, B * s.kv_heads, Dv);
+      unshard_rows(r.plan, rank, download_16bit(gq, q.size(), s.dtype), r.dq, B * s.q_heads, s.head_dim);
+      unshard_rows(r.plan, rank, download_16bit(gk, k.size(), s.dtype), r.dk, B * s.kv_heads, s.head_dim);
+      unshard_rows(r.plan, rank, download_16bit(gv, v.size(), s.dtype), r.dv, B * s.kv_heads, Dv);
       const std::lock_guard<std::mutex> lock(summing);
       size_t i = 0;
       for (auto& [name, sum] : r.capture_grads) {
