@@ -213,7 +213,8 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_WARPS", std::to_string(c.threads / 32)},
            {"FLEXC_STAGES", std::to_string(c.stages)},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
+           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
           cfg.arch};
 }
 
@@ -230,7 +231,8 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_STAGES", std::to_string(c.stages)},
            {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
+           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
           "sm_90a"};
 }
 
@@ -269,7 +271,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   detail::check_qkv(kWhat, "q", q, dtype);
   detail::check_qkv(kWhat, "k", k, dtype);
   detail::check_qkv(kWhat, "v", v, dtype);
-  detail::check_qkv(kWhat, "out", out, dtype);
+  // out: q's dtype, or float32 (unrounded: a part merged later, as ring attention's blocks).
+  detail::check_qkv(kWhat, "out", out, dtype, /*or_f32=*/true);
   const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], kv_len = k.shape[2], Dv = v.shape[3];
   if (k.shape[0] != B || k.shape[3] != D)
@@ -348,6 +351,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
   kc.positions = pos.need_kernel(q_len, kv_len, true);
+  kc.f32_out = out.dtype == DType::F32;
   // Short sequences on Hopper: a persistent grid.
   kc.persistent = hopper && detail::fwd_sm90_persistent(
                                 cfg, int(D), int(Dv), kv_len,

@@ -80,7 +80,8 @@ KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_WARPS", std::to_string(c.threads / 32)},
            {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
+           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
           cfg.arch};
 }
 
@@ -96,7 +97,8 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
            {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"}},
+           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
+           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
           "sm_90a"};
 }
 
@@ -131,7 +133,15 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const std::pair<const char*, const TensorView*> tensors[] = {
       {"q", &q},         {"k", &k},         {"v", &v},        {"out", &out},
       {"dout", &dout},   {"grads.dq", &grads.dq}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}};
-  for (auto [name, t] : tensors) detail::check_qkv(kWhat, name, *t, dtype);
+  // The gradients: q's dtype, or all three float32 (unrounded: parts summed later, as ring
+  // attention sums its blocks').
+  for (auto [name, t] : tensors) detail::check_qkv(kWhat, name, *t, dtype, name[0] == 'g');
+  const bool grads_f32 = grads.dq.dtype == DType::F32;
+  for (auto [name, t] : {std::pair{"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}})
+    if ((t->dtype == DType::F32) != grads_f32)
+      fail(fmt::format("{} is {} but grads.dq is {}: the three gradients are q's dtype or all "
+                       "float32",
+                       name, dtype_name(t->dtype), dtype_name(grads.dq.dtype)));
   const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], kv_len = k.shape[2];
   if (k.shape[0] != B || k.shape[3] != D)
@@ -234,6 +244,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
   kc.positions = pos.need_kernel(q_len, kv_len, false);
+  kc.f32_out = grads_f32;
   const jit::KernelSpec portable_spec = deterministic
                                             ? jit::attention_bwd_deterministic_spec(kc)
                                             : jit::attention_bwd_spec(kc);

@@ -112,15 +112,18 @@ std::pair<uintptr_t, uintptr_t> span_of(const TensorView& t) {
 
 }  // namespace
 
-void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype) {
+void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype,
+               bool or_f32) {
   const auto fail = [&](const std::string& msg) { throw Error(fmt::format("{}: {}", what, msg)); };
   if (t.rank() != 4)
     fail(fmt::format("{} must be [B, H, SEQ, D]; got rank {} ({})", name, t.rank(), t.describe()));
-  if (t.dtype != DType::BF16 && t.dtype != DType::F16)
-    fail(fmt::format("{} is {}; bf16 or fp16 expected", name, dtype_name(t.dtype)));
-  if (t.dtype != dtype)
-    fail(fmt::format("{} is {} but q is {}; all four must have one dtype", name,
-                     dtype_name(t.dtype), dtype_name(dtype)));
+  const bool f32 = or_f32 && t.dtype == DType::F32;
+  if (t.dtype != DType::BF16 && t.dtype != DType::F16 && !f32)
+    fail(fmt::format("{} is {}; bf16 or fp16{} expected", name, dtype_name(t.dtype),
+                     or_f32 ? " (q's dtype) or float32" : ""));
+  if (t.dtype != dtype && !f32)
+    fail(fmt::format("{} is {} but q is {}; {}", name, dtype_name(t.dtype), dtype_name(dtype),
+                     or_f32 ? "q's dtype or float32 expected" : "all four must have one dtype"));
   if (t.data == nullptr) fail(fmt::format("{} has no data", name));
   if (!t.strides.empty() && t.strides.size() != 4)
     fail(fmt::format("{}: {} strides for rank 4", name, t.strides.size()));

@@ -28,9 +28,10 @@ DeviceLimits device_limits();
 bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misfit,
                 std::string_view what);
 
-// q / k / v / out and their gradients: rank 4, bf16 or fp16 equal to `dtype` (q's), data set,
-// contiguous head dim, 16-byte aligned rows.
-void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype);
+// q / k / v / out and their gradients: rank 4, bf16 or fp16 equal to `dtype` (q's), or float32
+// with `or_f32`; data set, contiguous head dim, 16-byte aligned rows.
+void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype,
+               bool or_f32 = false);
 
 // A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse), 4-byte aligned.
 void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B,

@@ -260,22 +260,19 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
 
   // dK (times the softmax scale) and dV through the K and V tiles, which no warp reads any more:
   // each warp stages its own 16 rows, then stores them with 16-byte stores.
-  flexc_attn::stage_fragments<KvTile, kBf16>(dk, [&](int, int) { return p.scale; }, smem, warp * 16);
-  flexc_attn::stage_fragments<KvTile, kBf16>(dv, [](int, int) { return 1.f; }, smem + KvTile::kBytes,
-                                             warp * 16);
-  __syncwarp();
-  flexc_attn::store_staged<KvTile, 16>(
-      smem, warp * 16,
-      static_cast<unsigned short*>(bp.dk) + b * bp.dk_stride[0] + h_kv * bp.dk_stride[1],
-      bp.dk_stride[2], row0, p.kv_len);
-  flexc_attn::store_staged<KvTile, 16>(
-      smem + KvTile::kBytes, warp * 16,
-      static_cast<unsigned short*>(bp.dv) + b * bp.dv_stride[0] + h_kv * bp.dv_stride[1],
-      bp.dv_stride[2], row0, p.kv_len);
+  flexc_attn::store_fragments<KvTile, kBf16>(
+      dk, [&](int, int) { return p.scale; }, smem, warp * 16,
+      flexc_attn::head_rows(bp.dk, bp.dk_stride, b, h_kv), bp.dk_stride[2], row0,
+      p.kv_len);
+  flexc_attn::store_fragments<KvTile, kBf16>(
+      dv, [](int, int) { return 1.f; }, smem + KvTile::kBytes, warp * 16,
+      flexc_attn::head_rows(bp.dv, bp.dv_stride, b, h_kv), bp.dv_stride[2], row0,
+      p.kv_len);
 }
 
 #if !FLEXC_DETERMINISTIC
-// dQ = scale * accumulator, in the input type: one thread per 8 elements (one 16-byte store).
+// dQ = scale * accumulator, in the input type (float32 in a FLEXC_F32_OUT build): one thread per 8
+// elements.
 extern "C" __global__ void __launch_bounds__(256)
     flexc_attention_bwd_dq(const FlexcAttentionBwdParams p) {
   using namespace flexc_bwd;
@@ -286,16 +283,22 @@ extern "C" __global__ void __launch_bounds__(256)
   if (row >= p.fwd.q_len) return;
   // Each pair of columns is one float2 of the accumulator's layout (attention_tile.cuh).
   const float* acc = p.dq_accum + flexc_attn::DqAccum<kD>::block(p.fwd, b, h, row);
-  uint4 out;
-  unsigned* w = reinterpret_cast<unsigned*>(&out);
+  float v[8];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const float2 a = *reinterpret_cast<const float2*>(
         acc + flexc_attn::DqAccum<kD>::offset(row % 64, ch * 8 + 2 * k));
-    w[k] = pack2<kBf16>(a.x * p.fwd.scale, a.y * p.fwd.scale);
+    v[2 * k] = a.x * p.fwd.scale, v[2 * k + 1] = a.y * p.fwd.scale;
   }
-  auto* dq = static_cast<unsigned short*>(p.dq) + b * p.dq_stride[0] + h * p.dq_stride[1];
-  *reinterpret_cast<uint4*>(dq + row * p.dq_stride[2] + ch * 8) = out;
+  void* dq = static_cast<char*>(flexc_attn::head_rows(p.dq, p.dq_stride, b, h)) +
+             (row * p.dq_stride[2] + ch * 8) * (flexc_attn::kF32Out ? 4 : 2);
+  if constexpr (flexc_attn::kF32Out) {
+    static_cast<float4*>(dq)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    static_cast<float4*>(dq)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    *static_cast<uint4*>(dq) = make_uint4(pack2<kBf16>(v[0], v[1]), pack2<kBf16>(v[2], v[3]),
+                                          pack2<kBf16>(v[4], v[5]), pack2<kBf16>(v[6], v[7]));
+  }
 }
 #endif
 
@@ -398,11 +401,9 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
   cp_async_wait<0>();
   __syncthreads();
   // Each warp stages its 16 rows in the Q tile (read by no one any more), then stores them.
-  flexc_attn::stage_fragments<QTile, kBf16>(dq, [&](int, int) { return p.scale; }, smem, warp * 16);
-  __syncwarp();
-  flexc_attn::store_staged<QTile, 16>(
-      smem, warp * 16,
-      static_cast<unsigned short*>(bp.dq) + b * bp.dq_stride[0] + h * bp.dq_stride[1],
-      bp.dq_stride[2], row0, p.q_len);
+  flexc_attn::store_fragments<QTile, kBf16>(
+      dq, [&](int, int) { return p.scale; }, smem, warp * 16,
+      flexc_attn::head_rows(bp.dq, bp.dq_stride, b, h), bp.dq_stride[2], row0,
+      p.q_len);
 }
 #endif  // FLEXC_DETERMINISTIC

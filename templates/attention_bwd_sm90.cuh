@@ -296,18 +296,14 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
   const int tile_row = cw * 64 + wwarp * 16;
   unsigned char* k_bytes = smem_raw + (sm.k - raw);
   unsigned char* v_bytes = smem_raw + (sm.v - raw);
-  flexc_attn::stage_fragments<KvTile, kBf16>(dk, [&](int, int) { return p.scale; }, k_bytes,
-                                             tile_row);
-  flexc_attn::stage_fragments<KvTile, kBf16>(dv, [](int, int) { return 1.f; }, v_bytes, tile_row);
-  __syncwarp();
-  flexc_attn::store_staged<KvTile, 16>(
-      k_bytes, tile_row,
-      static_cast<unsigned short*>(bp.dk) + b * bp.dk_stride[0] + h_kv * bp.dk_stride[1],
-      bp.dk_stride[2], row0, p.kv_len);
-  flexc_attn::store_staged<KvTile, 16>(
-      v_bytes, tile_row,
-      static_cast<unsigned short*>(bp.dv) + b * bp.dv_stride[0] + h_kv * bp.dv_stride[1],
-      bp.dv_stride[2], row0, p.kv_len);
+  flexc_attn::store_fragments<KvTile, kBf16>(
+      dk, [&](int, int) { return p.scale; }, k_bytes, tile_row,
+      flexc_attn::head_rows(bp.dk, bp.dk_stride, b, h_kv), bp.dk_stride[2], row0,
+      p.kv_len);
+  flexc_attn::store_fragments<KvTile, kBf16>(
+      dv, [](int, int) { return 1.f; }, v_bytes, tile_row,
+      flexc_attn::head_rows(bp.dv, bp.dv_stride, b, h_kv), bp.dv_stride[2], row0,
+      p.kv_len);
 }
 
 }  // namespace flexc_bwd90

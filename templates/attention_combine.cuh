@@ -7,9 +7,10 @@
 //
 // One warp per row; lanes take 4 columns at a time. FLEXC_BF16 picks the output type.
 // flexc_attention_combine merges all parts of a row at once (decode: float32 parts);
-// flexc_attention_merge folds one 16-bit part at a time into float32 accumulators (ring
-// attention: a block per step), flexc_attention_merge_store writes them out. The ring's backward
-// sums its blocks' gradients: flexc_grad_accumulate(_f32) adds a part into the accumulators.
+// flexc_attention_merge folds one float32 part at a time into float32 accumulators (ring
+// attention: a block per step, its output unrounded), flexc_attention_merge_store writes them
+// out. The ring's backward sums its blocks' float32 gradients: flexc_grad_accumulate adds a part
+// into the accumulators.
 #pragma once
 
 #include "attention_params.cuh"
@@ -93,22 +94,6 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
 
 namespace flexc_combine {
 
-// Four 16-bit values (the input type) from 8 bytes, as float32.
-__device__ __forceinline__ float4 load4(const unsigned short* at) {
-  const uint2 w = *reinterpret_cast<const uint2*>(at);
-  const unsigned h[4] = {w.x & 0xffffu, w.x >> 16, w.y & 0xffffu, w.y >> 16};
-  float f[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (FLEXC_BF16 != 0) {
-      f[i] = __uint_as_float(h[i] << 16);
-    } else {
-      asm("cvt.f32.f16 %0, %1;" : "=f"(f[i]) : "h"(static_cast<unsigned short>(h[i])));
-    }
-  }
-  return make_float4(f[0], f[1], f[2], f[3]);
-}
-
 // The row this warp takes (one warp per row) of [batch, heads, rows] rows, as (b, h, i).
 struct WarpRow {
   long long row;
@@ -126,27 +111,6 @@ struct WarpRow {
     return base + b * stride[0] + h * stride[1] + i * stride[2];
   }
 };
-
-// acc rows += part rows (a gradient's share from one block): 16-bit or float32 parts.
-template <class Part>
-__device__ __forceinline__ void accumulate(const FlexcMergeParams& p) {
-  const WarpRow at(p.batch, p.heads, p.rows);
-  if (!at.valid) return;
-  const int lane = threadIdx.x & 31;
-  float* acc = p.acc + ((static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 +
-                        at.i) * p.dv;
-  const Part* part = at.of(static_cast<const Part*>(p.part), p.part_stride);
-  for (int c = lane * 4; c < p.dv; c += 128) {
-    float4 x = *reinterpret_cast<const float4*>(acc + c);
-    float4 y;
-    if constexpr (sizeof(Part) == 4)
-      y = *reinterpret_cast<const float4*>(part + c);
-    else
-      y = load4(part + c);
-    x.x += y.x, x.y += y.y, x.z += y.z, x.w += y.w;
-    *reinterpret_cast<float4*>(acc + c) = x;
-  }
-}
 
 }  // namespace flexc_combine
 
@@ -166,9 +130,10 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
   if (m == neg_inf()) return;
   const float wa = expf(la - m), wb = expf(lb - m), inv = 1.f / (wa + wb);
   float* acc = p.acc + acc_row * p.dv;
-  const auto* part = at.of(static_cast<const unsigned short*>(p.part), p.part_stride);
+  const float* part = at.of(static_cast<const float*>(p.part), p.part_stride);
   for (int c = lane * 4; c < p.dv; c += 128) {
-    const float4 x = *reinterpret_cast<const float4*>(acc + c), y = load4(part + c);
+    const float4 x = *reinterpret_cast<const float4*>(acc + c),
+                 y = *reinterpret_cast<const float4*>(part + c);
     // A weight of 0 adds exactly 0, whatever the other side holds.
     auto mix = [&](float a, float b) {
       return ((wa == 0.f ? 0.f : wa * a) + (wb == 0.f ? 0.f : wb * b)) * inv;
@@ -198,12 +163,20 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
   if (p.lse != nullptr && lane == 0) p.lse[at.row] = p.acc_lse[at.row];
 }
 
+// acc rows += part rows: a gradient's float32 share from one block.
 extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_grad_accumulate(const FlexcMergeParams p) {
-  flexc_combine::accumulate<unsigned short>(p);
-}
-
-extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
-    flexc_grad_accumulate_f32(const FlexcMergeParams p) {
-  flexc_combine::accumulate<float>(p);
+  using namespace flexc_combine;
+  const WarpRow at(p.batch, p.heads, p.rows);
+  if (!at.valid) return;
+  const int lane = threadIdx.x & 31;
+  float* acc = p.acc + ((static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 +
+                        at.i) * p.dv;
+  const float* part = at.of(static_cast<const float*>(p.part), p.part_stride);
+  for (int c = lane * 4; c < p.dv; c += 128) {
+    float4 x = *reinterpret_cast<const float4*>(acc + c);
+    const float4 y = *reinterpret_cast<const float4*>(part + c);
+    x.x += y.x, x.y += y.y, x.z += y.z, x.w += y.w;
+    *reinterpret_cast<float4*>(acc + c) = x;
+  }
 }

@@ -31,7 +31,8 @@ struct FlexcAttentionParams {
 
 // What the backward kernels (templates/attention_bwd.cuh) take beyond the forward's tensors:
 // FlexcAttentionParams::o is the forward's output and lse its log-sum-exp (both set). dq, dk, dv
-// have q's, k's, v's shapes, in the input type; delta and dq_accum are flexc's workspace.
+// have q's, k's, v's shapes, in the input type (float32 in a FLEXC_F32_OUT build); delta and
+// dq_accum are flexc's workspace.
 struct FlexcAttentionBwdParams {
   FlexcAttentionParams fwd;
   const void* dout;
@@ -101,11 +102,11 @@ struct FlexcCombineParams {
 // block's normalised output and LSE (the part: `rows` rows of each head, its rows row0.. of the
 // shard) into float32 accumulators of the shard's `acc_rows` rows (initially 0 and -inf);
 // flexc_attention_merge_store writes the accumulators out in the output's type. The backward's
-// gradients use the same rows: flexc_grad_accumulate adds a block's 16-bit part (dq, dk or dv;
-// flexc_grad_accumulate_f32: a float32 part, contiguous) into float32 accumulators, and
-// merge_store without an LSE writes them out; `dv` is then the gradient's head dim.
+// gradients use the same rows: flexc_grad_accumulate adds a block's part (dq, dk or dv) into
+// float32 accumulators, and merge_store without an LSE writes them out; `dv` is then the
+// gradient's head dim.
 struct FlexcMergeParams {
-  const void* part;       // 16-bit [batch, heads, rows, dv], part_stride (batch, head, row)
+  const void* part;       // float32 [batch, heads, rows, dv], part_stride (batch, head, row)
   const float* part_lse;  // [batch, heads, rows], contiguous
   float* acc;             // [batch, heads, acc_rows, dv], contiguous
   float* acc_lse;         // [batch, heads, acc_rows]

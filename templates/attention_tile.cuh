@@ -28,6 +28,13 @@ using flexc_tile::neg_inf;
 #define FLEXC_POSITIONS 0
 #endif
 constexpr bool kPositions = FLEXC_POSITIONS != 0;
+// A kernel built with FLEXC_F32_OUT writes its outputs (the forward's O; the backward's dQ, dK,
+// dV) in float32, unrounded: ring attention's blocks, merged or summed before one rounding. A
+// build of its own, so that the 16-bit kernels' registers stay as they are.
+#ifndef FLEXC_F32_OUT
+#define FLEXC_F32_OUT 0
+#endif
+constexpr bool kF32Out = FLEXC_F32_OUT != 0;
 __device__ __forceinline__ int kv_pos0(const FlexcAttentionParams& p) {
   return kPositions ? p.kv_pos0 : 0;
 }
@@ -728,20 +735,56 @@ __device__ __forceinline__ void store_staged(const unsigned char* tile, int tile
   }
 }
 
-// The epilogue of one warp: normalises its MT x DT accumulator tiles, stages them in rows
-// [tile_row, tile_row + 16 MT) of `tile` (shared memory no other warp reads any more, in Tile's
-// layout), then stores those rows of O from q row `row0` with 16-byte coalesced stores, and their
-// LSE when p.lse is set.
+// Row 0 of head (b, h) of an output [B, H, S, D] (strides in elements): 16-bit elements, float32
+// in a FLEXC_F32_OUT build.
+__device__ __forceinline__ void* head_rows(void* base, const long long (&stride)[3], long long b,
+                                           long long h) {
+  return static_cast<char*>(base) + (b * stride[0] + h * stride[1]) * (kF32Out ? 4 : 2);
+}
+
+// One warp's MT x DT accumulator tiles, each row scaled by factor(i, r), as rows row0.. of a
+// [rows, 8 DT] matrix at `out` (row stride `stride`, elements; rows at or past `len` skipped):
+// 16-bit, staged in rows [tile_row, tile_row + 16 MT) of `tile` (shared memory no other warp reads
+// any more, in Tile's layout) for 16-byte coalesced stores; float32 (kF32Out), unrounded, from
+// the fragments as they are.
+template <class Tile, bool BF16, int MT, int DT, class Factor>
+__device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], Factor factor,
+                                                unsigned char* tile, int tile_row, void* out,
+                                                long long stride, int row0, int len) {
+  if constexpr (kF32Out) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + i * 16 + g + r * 8;
+        if (row >= len) continue;
+        const float f = factor(i, r);
+        float* at = static_cast<float*>(out) + row * stride + t * 2;
+#pragma unroll
+        for (int j = 0; j < DT; ++j)
+          *reinterpret_cast<float2*>(at + j * 8) =
+              make_float2(acc[i][j][2 * r] * f, acc[i][j][2 * r + 1] * f);
+      }
+  } else {
+    stage_fragments<Tile, BF16>(acc, factor, tile, tile_row);
+    __syncwarp();
+    store_staged<Tile, MT * 16>(tile, tile_row, static_cast<unsigned short*>(out), stride, row0,
+                                len);
+  }
+}
+
+// The epilogue of one warp: its normalised rows of O from q row `row0` (store_fragments), and
+// their LSE when p.lse is set.
 template <class Tile, bool BF16, int MT, int DT>
 __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
                                            const float (&inv_sum)[MT][2],
                                            const float (&lse)[MT][2], unsigned char* tile,
                                            int tile_row, const FlexcAttentionParams& p, int b,
                                            int h, int row0) {
-  stage_fragments<Tile, BF16>(acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row);
-  __syncwarp();
-  auto* o = static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1];
-  store_staged<Tile, MT * 16>(tile, tile_row, o, p.o_stride[2], row0, p.q_len);
+  store_fragments<Tile, BF16>(
+      acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row,
+      head_rows(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.q_len);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if (p.lse != nullptr && t == 0) {
     float* out = p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;

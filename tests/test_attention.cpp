@@ -477,6 +477,11 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(t({1, 4, 16, 64}, DType::F32), k, out), Contains("q is float32; bf16 or fp16"));
   CHECK_THAT(err(q, TensorView{k.data, DType::F16, k.shape, {}}, out),
              Contains("k is fp16 but q is bf16"));
+  // out: q's dtype, or float32 (unrounded); nothing else.
+  CHECK_THAT(err(q, k, TensorView{out.data, DType::F16, out.shape, {}}),
+             Contains("out is fp16 but q is bf16; q's dtype or float32 expected"));
+  CHECK_THAT(err(q, k, TensorView{out.data, DType::I32, out.shape, {}}),
+             Contains("out is int32; bf16 or fp16 (q's dtype) or float32 expected"));
   CHECK_THAT(err(q, TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}}, out),
              Contains("k must be [B, Hkv, KV_LEN, D] = [1, *, *, 64]"));
   CHECK_THAT(err(q, TensorView{k.data, k.dtype, {1, 3, 32, 64}, {}}, out),
@@ -735,10 +740,20 @@ int spill_bytes(const std::string& log, const std::string& entry) {
 // The Hopper forward kernel's log as flexc::attention would launch it: at D 64, the 192-row
 // tiles unless they need local memory (their consumers' 160 registers do not hold the hooks'
 // working set), then the 128-row ones. `tall`: whether the 192-row one was taken.
+// A build of the attention kernels beyond the default one: for blocks of a longer sequence
+// (positions), and ring attention's, with float32 outputs as well.
+struct Build {
+  bool positions = false, f32_out = false;
+  void apply(jit::KernelConfig& kc) const { kc.positions = positions, kc.f32_out = f32_out; }
+  std::string describe() const {
+    return std::string(positions ? " positions" : "") + (f32_out ? " f32 out" : "");
+  }
+};
+
 std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr,
-                           bool positions = false) {
+                           Build build = {}) {
   jit::KernelConfig kc{"sm_90", "bf16", d, dv};
-  kc.positions = positions;
+  build.apply(kc);
   std::string log = ptxas_log(v, jit::attention_fwd_sm90_spec(kc));
   const bool fits = ptxas_stat(log, "flexc_attention_fwd_sm90", " bytes stack frame") == 0;
   if (tall) *tall = d == 64 && dv == 64 && fits;
@@ -750,11 +765,12 @@ std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr
 }
 
 // The builds to check for a catalogue variant: the default one, and for a sample the build for
-// blocks of a longer sequence (positions; ring attention's), the costliest hooks among them.
-std::vector<bool> position_builds(const std::string& name) {
+// blocks of a longer sequence (positions) and ring attention's (positions, float32 outputs), the
+// costliest hooks among them.
+std::vector<Build> builds_of(const std::string& name) {
   for (const char* sampled : {"causal", "alibi", "document", "dilated_window", "softcap", "t5_bias"})
-    if (name == sampled) return {false, true};
-  return {false};
+    if (name == sampled) return {{}, {true, false}, {true, true}};
+  return {{}};
 }
 
 }  // namespace
@@ -768,10 +784,10 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
     for (int d : {64, 128})
-      for (bool positions : position_builds(name)) {
+      for (const Build& build : builds_of(name)) {
         bool tall = false;
-        const std::string log = hopper_fwd_log(v, d, d, &tall, positions);
-        INFO(name << " D " << d << (positions ? " positions" : "") << "\n" << log);
+        const std::string log = hopper_fwd_log(v, d, d, &tall, build);
+        INFO(name << " D " << d << build.describe() << "\n" << log);
         CHECK(log.find("C751") == std::string::npos);
         // More than a few bytes would mean a loop's working set no longer fits.
         CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
@@ -838,11 +854,11 @@ TEST_CASE("the backward kernel builds for every variant with bounded spills", "[
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
     for (int d : {64, 128})
-      for (bool positions : position_builds(name)) {
+      for (const Build& build : builds_of(name)) {
         jit::KernelConfig kc{"sm_90", "bf16", d};
-        kc.positions = positions;
+        build.apply(kc);
         const std::string log = ptxas_log(v, jit::attention_bwd_spec(kc));
-        INFO(name << " D " << d << (positions ? " positions" : "") << "\n" << log);
+        INFO(name << " D " << d << build.describe() << "\n" << log);
         CHECK(spill_bytes(log, "flexc_attention_bwd_prep") == 0);
         CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
         // dK and dV of D = 128 hold 128 registers a thread: D 128 spills a little today (at
@@ -863,14 +879,15 @@ TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous with bounded
             .find("kHasCaptureGrads = true") != std::string::npos;
     for (int d : {64, 128})
       for (bool deterministic : {false, true})
-        for (bool positions : position_builds(name)) {
+        for (const Build& build : builds_of(name)) {
           jit::KernelConfig kc{"sm_90", "bf16", d};
-          kc.positions = positions;
+          build.apply(kc);
+          const bool positions = build.positions;
           const std::string log =
               ptxas_log(v, deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
                                          : jit::attention_bwd_sm90_spec(kc));
-          INFO(name << " D " << d << (deterministic ? " deterministic" : "")
-                    << (positions ? " positions" : "") << "\n" << log);
+          INFO(name << " D " << d << (deterministic ? " deterministic" : "") << build.describe()
+                    << "\n" << log);
           CHECK(log.find("C751") == std::string::npos);
           // The producer's 24 registers hold its schedule with 56-64 bytes of spills; consumers
           // (240) spill none at D 64 but t5_bias's two instances (104 bytes since its / 8.0
@@ -880,9 +897,13 @@ TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous with bounded
           // than exact's 168 bytes all the same) with one consumer instance, up to 740 with the
           // capture-gradient instance as well (t5_bias). The build for a block of a longer
           // sequence (positions) holds two more offsets: up to 100 bytes at D 64
-          // (dilated_window).
+          // (dilated_window). Ring attention's (float32 dK / dV written from the fragments, not
+          // staged): up to 344 at D 128 (softcap).
           CHECK(spill_bytes(log, "flexc_attention_bwd_sm90") <=
-                (d == 64 ? (capture_grads || positions ? 112 : 64) : capture_grads ? 800 : 320));
+                (d == 64                 ? (capture_grads || positions ? 112 : 64)
+                 : capture_grads ? 800
+                 : build.f32_out ? 360
+                                 : 320));
         }
   }
 }
@@ -911,6 +932,7 @@ struct GpuCase {
   // reference applies (one that says what the BlockMask's tiles say).
   const BlockMask* given_mask = nullptr;
   const Variant* reference = nullptr;
+  bool out_f32 = false;  // out in float32 (unrounded) instead of the input dtype
 
   int64_t dv() const { return Dv ? Dv : D; }
   int64_t seq_q() const { return seq_q_len ? seq_q_len : q_offset + Lq; }
@@ -960,7 +982,14 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   const flexc::DeviceBuffer dk = to_device(c, p.k, c.Hkv, c.Lkv, c.D, k);
   const flexc::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, Dv, vv);
   const std::vector<float> poison(c.B * c.Hq * c.Lq * Dv, std::numeric_limits<float>::quiet_NaN());
-  const flexc::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, Dv, out);
+  const std::vector<int64_t> st = c.strides(c.Hq, c.Lq, Dv);
+  flexc::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, Dv, out);
+  if (c.out_f32) {
+    const std::vector<float> nan(std::max<int64_t>(c.B * st[0], 4), poison.front());
+    dout = flexc::DeviceBuffer(nan.size() * 4);
+    dout.upload(nan.data(), nan.size() * 4);
+    out = TensorView{dout.get(), DType::F32, out.shape, st};
+  }
   flexc::DeviceBuffer dlse(std::max<int64_t>(c.B * c.Hq * c.Lq * 4, 16));
   dlse.fill(0xff);
 
@@ -1005,8 +1034,10 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   attention(q, k, vv, out, v, opts);
   flexc::synchronize_device();
 
-  const std::vector<int64_t> st = c.strides(c.Hq, c.Lq, Dv);
-  const std::vector<uint16_t> bits = dout.to_vector<uint16_t>(dout.size() / 2);
+  const std::vector<uint16_t> bits =
+      c.out_f32 ? std::vector<uint16_t>() : dout.to_vector<uint16_t>(dout.size() / 2);
+  const std::vector<float> floats =
+      c.out_f32 ? dout.to_vector<float>(dout.size() / 4) : std::vector<float>();
   const std::vector<float> lse = dlse.to_vector<float>(c.B * c.Hq * c.Lq);
   const int64_t rows = c.B * c.Hq * c.Lq;
   if (rows > max_rows) {
@@ -1018,8 +1049,10 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   for (int64_t row : r.rows) {
     const int64_t b = row / (c.Hq * c.Lq), h = row / c.Lq % c.Hq, s = row % c.Lq;
     for (int64_t d = 0; d < Dv; ++d) {
-      const uint16_t x = bits[b * st[0] + h * st[1] + s * st[2] + d];
-      got.push_back(c.dtype == DType::BF16 ? bf16_to_float(x) : fp16_to_float(x));
+      const int64_t at = b * st[0] + h * st[1] + s * st[2] + d;
+      got.push_back(c.out_f32                  ? floats[at]
+                    : c.dtype == DType::BF16 ? bf16_to_float(bits[at])
+                                             : fp16_to_float(bits[at]));
     }
     got_lse.push_back(lse[row]);
   }
@@ -1495,6 +1528,28 @@ TEST_CASE("a block of a longer sequence: queries and keys at their positions mat
       const Accuracy a = run_case(Variant::from_catalogue(names[i]), c);
       INFO(a.summary());
       CHECK(a.pass);
+    }
+}
+
+TEST_CASE("a float32 out is the output unrounded", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Ring attention merges its blocks' outputs in float32 and rounds once. The same inputs into a
+  // 16-bit out and a float32 one: the float32 one must be nearer float64 (its error lacks the
+  // output's rounding), and both pass the rule; padded rows, both kernels and dtypes.
+  for (int64_t d : {64, 128})
+    for (FwdKernel kernel : kernels_for(d)) {
+      GpuCase c{d == 64 ? DType::F16 : DType::BF16, 2, 4, 2, 333, 517, d, false, 8, true, {},
+                kernel};
+      const Problem p(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype);
+      const Variant v = Variant::from_catalogue(d == 64 ? "alibi" : "causal");
+      const Accuracy a16 = run_case(v, c, 256, &p);
+      c.out_f32 = true;
+      const Accuracy a32 = run_case(v, c, 256, &p);
+      INFO(c.describe() << "\n  16-bit  " << a16.summary() << "\n  float32 " << a32.summary());
+      CHECK(a16.pass);
+      CHECK(a32.pass);
+      CHECK(a32.out_rmse < 0.8 * a16.out_rmse);
+      CHECK(a32.lse_rmse <= 1.1 * a16.lse_rmse + 1e-7);
     }
 }
 

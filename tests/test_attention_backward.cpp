@@ -214,6 +214,7 @@ struct BwdCase {
   bool broadcast = false;  // over B and H where the mask reads neither
   bool deterministic = true;
   FwdKernel kernel = FwdKernel::Auto;
+  bool grads_f32 = false;  // dq, dk, dv in float32 (unrounded) instead of the input dtype
   // A block of a longer sequence (0: none): positions of query 0 and key 0, the lengths the mods
   // see (0: offset + rows).
   int64_t q_offset = 0, kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
@@ -239,11 +240,23 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
                            v = normal(k.size(), c.dtype), dout = normal(q.size(), c.dtype);
   const std::vector<float> nan(q.size(), std::numeric_limits<float>::quiet_NaN());
   const std::vector<float> nan_kv(k.size(), std::numeric_limits<float>::quiet_NaN());
+  // A poisoned gradient buffer (16-bit, or float32 with c.grads_f32), and its values.
+  const auto grad_buffer = [&](const std::vector<float>& poison, const std::vector<int64_t>& shape,
+                               TensorView& view) {
+    if (!c.grads_f32) return upload16(c.dtype, poison, shape, view);
+    flexc::DeviceBuffer buf(std::max<size_t>(poison.size(), 4) * 4);
+    buf.upload(poison.data(), poison.size() * 4);
+    view = TensorView{buf.get(), DType::F32, shape, {}};
+    return buf;
+  };
+  const auto grad_values = [&](const flexc::DeviceBuffer& buf, size_t n) {
+    return c.grads_f32 ? buf.to_vector<float>(n) : download16(c.dtype, buf, n);
+  };
   TensorView tq, tk, tv, tout, tdout, tdq, tdk, tdv;
   const auto bq = upload16(c.dtype, q, qs, tq), bk = upload16(c.dtype, k, ks, tk),
              bv = upload16(c.dtype, v, ks, tv), bout = upload16(c.dtype, nan, qs, tout),
-             bdout = upload16(c.dtype, dout, qs, tdout), bdq = upload16(c.dtype, nan, qs, tdq),
-             bdk = upload16(c.dtype, nan_kv, ks, tdk), bdv = upload16(c.dtype, nan_kv, ks, tdv);
+             bdout = upload16(c.dtype, dout, qs, tdout), bdq = grad_buffer(nan, qs, tdq),
+             bdk = grad_buffer(nan_kv, ks, tdk), bdv = grad_buffer(nan_kv, ks, tdv);
   flexc::DeviceBuffer blse(std::max<int64_t>(c.B * c.Hq * c.Lq, 4) * 4);
   const TensorView tlse{blse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
 
@@ -295,14 +308,15 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
   if (c.deterministic) {
     TensorView tdq2, tdk2, tdv2;
-    const auto bdq2 = upload16(c.dtype, nan, qs, tdq2), bdk2 = upload16(c.dtype, nan_kv, ks, tdk2),
-               bdv2 = upload16(c.dtype, nan_kv, ks, tdv2);
+    const auto bdq2 = grad_buffer(nan, qs, tdq2), bdk2 = grad_buffer(nan_kv, ks, tdk2),
+               bdv2 = grad_buffer(nan_kv, ks, tdv2);
     AttentionGrads again{tdq2, tdk2, tdv2, {}};
     attention_backward(tq, tk, tv, tout, tlse, tdout, again, variant, bo);
     flexc::synchronize_device();
-    CHECK(bdq.to_vector<uint16_t>(q.size()) == bdq2.to_vector<uint16_t>(q.size()));
-    CHECK(bdk.to_vector<uint16_t>(k.size()) == bdk2.to_vector<uint16_t>(k.size()));
-    CHECK(bdv.to_vector<uint16_t>(k.size()) == bdv2.to_vector<uint16_t>(k.size()));
+    // Bitwise: the same bytes.
+    CHECK(bdq.to_vector<uint8_t>(bdq.size()) == bdq2.to_vector<uint8_t>(bdq2.size()));
+    CHECK(bdk.to_vector<uint8_t>(bdk.size()) == bdk2.to_vector<uint8_t>(bdk2.size()));
+    CHECK(bdv.to_vector<uint8_t>(bdv.size()) == bdv2.to_vector<uint8_t>(bdv2.size()));
   }
   flexc::synchronize_device();
 
@@ -322,8 +336,8 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
     else  // read only where it has no derivative: nothing added
       CHECK(std::all_of(cap_grads[name].begin(), cap_grads[name].end(), [](float x) { return x == 0; }));
   }
-  return check_gradients(r, download16(c.dtype, bdq, q.size()), download16(c.dtype, bdk, k.size()),
-                         download16(c.dtype, bdv, k.size()), checked);
+  return check_gradients(r, grad_values(bdq, q.size()), grad_values(bdk, k.size()),
+                         grad_values(bdv, k.size()), checked);
 }
 
 Mod plain() {
@@ -361,6 +375,13 @@ TEST_CASE("attention_backward names the bad argument", "[attention]") {
         "flexc::attention_backward for 'noop': 'noop' declares no capture 'slope'");
   CHECK(error(lse, {dq, TensorView{mem[1].data(), DType::BF16, {1, 1, 16, 64}, {}}, dv, {}}) ==
         "flexc::attention_backward: grads.dk overlaps k");
+  // The gradients: q's dtype, or float32 all three.
+  CHECK(error(lse, {dq, TensorView{dk.data, DType::F32, dk.shape, {}}, dv, {}}) ==
+        "flexc::attention_backward: grads.dk is float32 but grads.dq is bf16: the three gradients "
+        "are q's dtype or all float32");
+  CHECK(error(lse, {dq, dk, TensorView{dv.data, DType::F16, dv.shape, {}}, {}}) ==
+        "flexc::attention_backward: grads.dv is fp16 but q is bf16; q's dtype or float32 "
+        "expected");
   CHECK(detail::bwd_config(128).smem_bytes <= 227 * 1024);
   CHECK_THROWS_WITH(detail::bwd_config(256),
                     "the backward kernel has no head dim 256 (32, 64, 96 or 128)");
@@ -519,6 +540,30 @@ TEST_CASE("backward: derivatives other than 1 and learnable biases against the r
       const BackwardAccuracy a = run_backward_case(v, c);
       INFO(a.summary());
       CHECK(a.pass);
+    }
+}
+
+TEST_CASE("backward: float32 gradients are the gradients unrounded", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Ring attention sums its blocks' dq, dk, dv in float32 and rounds once. The same inputs into
+  // 16-bit gradients and float32 ones: the float32 ones must be nearer float64 (their error lacks
+  // the final rounding), both passing the rule; dq by atomics and deterministic, both kernels.
+  const Variant v = Variant::from_catalogue("alibi");
+  int i = 0;
+  for (FwdKernel kernel : {FwdKernel::Auto, FwdKernel::Portable})
+    for (bool deterministic : {false, true}) {
+      BwdCase c{i % 2 ? DType::F16 : DType::BF16, 2, 4, 2, 301, 419, i % 3 ? 128 : 64};
+      c.kernel = kernel, c.deterministic = deterministic;
+      ++i;
+      const std::mt19937_64 inputs = rng();
+      const BackwardAccuracy a16 = run_backward_case(v, c);
+      rng() = inputs;
+      c.grads_f32 = true;
+      const BackwardAccuracy a32 = run_backward_case(v, c);
+      INFO(c.describe() << "\n  16-bit  " << a16.summary() << "\n  float32 " << a32.summary());
+      CHECK(a16.pass);
+      CHECK(a32.pass);
+      for (size_t g = 0; g < 3; ++g) CHECK(a32.grads[g].rmse < a16.grads[g].rmse);
     }
 }
 

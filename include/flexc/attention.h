@@ -4,9 +4,10 @@
 //                    {.block_mask = &bm, .captures = {{"slope", slopes}}, .params = {{"window", 512}},
 //                     .scale = 0.125, .lse = lse, .stream = stream});
 //
-// Shapes: q and out [B, Hq, Q_LEN, D], k and v [B, Hkv, KV_LEN, D], bf16 or fp16 (all four the
-// same), D in {32, 64, 96, 128, 256}, Hq % Hkv == 0 (GQA / MQA). Any B / H / sequence strides;
-// the head dim must be contiguous and every row 16-byte aligned. See docs/attention.md.
+// Shapes: q and out [B, Hq, Q_LEN, D], k and v [B, Hkv, KV_LEN, D], bf16 or fp16 (q, k, v the
+// same; out too, or float32 for an unrounded output), D in {32, 64, 96, 128, 256}, Hq % Hkv == 0
+// (GQA / MQA). Any B / H / sequence strides; the head dim must be contiguous and every row
+// 16-byte aligned. See docs/attention.md.
 #pragma once
 
 #include <map>

@@ -37,6 +37,9 @@ struct KernelBuild {
   // The attention kernels' build for a block of a longer sequence (keys at an offset, the
   // sequence's lengths given: ring attention), which such calls run (docs/attention.md).
   bool positions = false;
+  // The attention kernels' build with float32 outputs (the forward's out, the backward's dq, dk,
+  // dv), which calls given float32 outputs run; ring attention's blocks: with `positions`.
+  bool f32_out = false;
 };
 
 struct CompiledKernel {

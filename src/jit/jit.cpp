@@ -256,32 +256,47 @@ class Jit {
   }
 
   // The module for (context, key) is loaded once, however many Variant objects ask for it.
+  // Loading runs outside kernels_mu_: the driver may wait there for the device to go idle, and
+  // with an NCCL kernel in flight (ring attention, a thread per GPU) that wait needs the other
+  // ranks' threads to reach their next send, which a process-wide lock held here would stop.
   const Kernel& load(CUcontext ctx, const std::string& fast_id, const Prepared& p,
                      const Obtained& got) {
-    std::unique_lock lk(kernels_mu_);
     const std::string id = fmt::format("{}|{}|{}", static_cast<void*>(ctx), p.key, p.spec.entry);
-    auto it = modules_.find(id);
-    if (it == modules_.end()) {
-      const std::string doing = "loading the " + p.what;
-      const DriverApi& d = driver(doing);
-      const std::string& image = got.entry->cubin.empty() ? got.entry->ptx : got.entry->cubin;
-      CUmodule mod = nullptr;
-      check(d.cuModuleLoadData(&mod, image.c_str()), doing);
-      try {
-        CUfunction fn = nullptr;
-        check(d.cuModuleGetFunction(&fn, mod, p.spec.entry.c_str()),
-              fmt::format("{}: finding its entry '{}'", doing, p.spec.entry));
-        const dsl::LaunchFacts facts =
-            dsl::launch_facts(detail::emit_input(detail::impl_of(p.variant)));
-        it = modules_.emplace(id, std::make_unique<Kernel>(fn, p.what, facts)).first;
-      } catch (...) {
-        d.cuModuleUnload(mod);  // kept modules are never unloaded; a failed one must not leak
-        throw;
-      }
+    const Kernel* kernel = nullptr;
+    {
+      std::shared_lock lk(kernels_mu_);
+      if (auto it = modules_.find(id); it != modules_.end()) kernel = it->second.get();
     }
+    if (!kernel) {
+      std::unique_ptr<Kernel> made = load_module(p, got);
+      std::unique_lock lk(kernels_mu_);
+      // A thread that loaded the same module meanwhile wins; this copy stays loaded, unused
+      // (kept modules are never unloaded, and unloading one could wait for the device too).
+      kernel = modules_.try_emplace(id, std::move(made)).first->second.get();
+    }
+    std::unique_lock lk(kernels_mu_);
     if (fast_.size() >= kMaxMemo) fast_.clear();
-    fast_.insert_or_assign(fast_id, Fast{p.variant, it->second.get()});
-    return *it->second;
+    fast_.insert_or_assign(fast_id, Fast{p.variant, kernel});
+    return *kernel;
+  }
+
+  static std::unique_ptr<Kernel> load_module(const Prepared& p, const Obtained& got) {
+    const std::string doing = "loading the " + p.what;
+    const DriverApi& d = driver(doing);
+    const std::string& image = got.entry->cubin.empty() ? got.entry->ptx : got.entry->cubin;
+    CUmodule mod = nullptr;
+    check(d.cuModuleLoadData(&mod, image.c_str()), doing);
+    try {
+      CUfunction fn = nullptr;
+      check(d.cuModuleGetFunction(&fn, mod, p.spec.entry.c_str()),
+            fmt::format("{}: finding its entry '{}'", doing, p.spec.entry));
+      const dsl::LaunchFacts facts =
+          dsl::launch_facts(detail::emit_input(detail::impl_of(p.variant)));
+      return std::make_unique<Kernel>(fn, p.what, facts);
+    } catch (...) {
+      d.cuModuleUnload(mod);  // a failed module must not leak
+      throw;
+    }
   }
 
   std::mutex mu_;  // prepared_, memory_, inflight_, disk_

@@ -22,6 +22,9 @@ struct KernelConfig {
   // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
   bool positions = false;
+  // The attention kernels' outputs (forward: O; backward: dQ, dK, dV) in float32, unrounded
+  // (templates/attention_tile.cuh, kF32Out): ring attention's blocks.
+  bool f32_out = false;
 };
 
 struct KnownKernel {

@@ -131,7 +131,9 @@ struct RingAttention::Impl {
   size_t k_bytes = 0, v_bytes = 0;
   DeviceBuffer slots[2];  // K then V of a shard in flight (contiguous)
   DeviceBuffer acc;       // float32 [B, Hq, L, Dv] accumulators, then [B, Hq, L] LSE
-  DeviceBuffer part;      // a block's output [B, Hq, C, Dv] (16-bit), then its LSE [B, Hq, C]
+  // A block's output [B, Hq, C, Dv] then its LSE [B, Hq, C], float32: rounded once, after the
+  // merge, as one GPU rounds the whole row's output.
+  DeviceBuffer part;
   // The ring's stream and the events ordering it with the caller's (made once the arguments are
   // checked: a bad one is reported before any CUDA work).
   struct Sync {
@@ -162,7 +164,12 @@ struct RingAttention::Impl {
   // comes.
   void agree(bool ok, const std::string& local_error, const char* doing);
   void build_blocks();
-  void merge(const char* entry, FlexcMergeParams& p, int64_t rows, CUstream stream);
+  // attention_combine.cuh's kernels, loaded at construction: loading one later, with a send in
+  // flight, could wait for the device while the send waits for a peer.
+  enum Combine { kMerge, kMergeStore, kAccumulate, kCombines };
+  const jit::Kernel* combine[kCombines] = {};
+  void load_combine();
+  void merge(Combine which, FlexcMergeParams& p, int64_t rows, CUstream stream);
   // The arguments' shard shapes and dtype; k and v contiguous (they are sent as they are).
   void check_shard(std::initializer_list<std::pair<const char*, const TensorView*>> q_like,
                    std::initializer_list<std::pair<const char*, const TensorView*>> kv_like,
@@ -190,10 +197,9 @@ struct RingAttention::Impl {
     o.seq_q_len = o.seq_kv_len = plan.shape.seq_len;
     return o;
   }
-  // `into` rows [row0, row0 + rows) of each (batch, head) += part_view's rows (16-bit, or
-  // float32 with `f32`).
+  // `into` rows [row0, row0 + rows) of each (batch, head) += part_view's rows (float32).
   void accumulate(const TensorView& part_view, float* into, int64_t heads, int64_t rows,
-                  int64_t acc_rows, int64_t row0, int64_t width, bool f32, CUstream stream);
+                  int64_t acc_rows, int64_t row0, int64_t width, CUstream stream);
   // out (16-bit) = acc's rows; with lse, the LSE too.
   void store(float* from, float* from_lse, const TensorView& out, float* lse, int64_t heads,
              CUstream stream);
@@ -308,15 +314,22 @@ void RingAttention::Impl::build_blocks() {
   }
 }
 
-void RingAttention::Impl::merge(const char* entry, FlexcMergeParams& p, int64_t rows,
-                                CUstream stream) {
+void RingAttention::Impl::load_combine() {
   const RingShape& s = plan.shape;
   jit::KernelConfig kc{"", s.dtype == DType::BF16 ? "bf16" : "fp16", int(s.head_dim), int(dv)};
-  jit::KernelSpec spec = jit::attention_decode_spec(kc);  // attention_combine.cuh's module
-  spec.entry = entry;
-  const jit::Kernel& k = jit::get_kernel(variant, spec);
+  const jit::KernelSpec module = jit::attention_decode_spec(kc);  // attention_combine.cuh's
+  std::vector<jit::KernelSpec> specs(kCombines, module);
+  specs[kMerge].entry = "flexc_attention_merge";
+  specs[kMergeStore].entry = "flexc_attention_merge_store";
+  specs[kAccumulate].entry = "flexc_grad_accumulate";
+  const std::vector<const jit::Kernel*> got = jit::get_kernels(variant, specs);
+  std::copy(got.begin(), got.end(), combine);
+}
+
+void RingAttention::Impl::merge(Combine which, FlexcMergeParams& p, int64_t rows,
+                                CUstream stream) {
   void* argv[] = {&p};
-  k.launch(unsigned((rows + 3) / 4), 1, 1, 128, 0, stream, argv);
+  combine[which]->launch(unsigned((rows + 3) / 4), 1, 1, 128, 0, stream, argv);
 }
 
 void RingAttention::Impl::check_shard(
@@ -394,14 +407,13 @@ bool RingAttention::Impl::computes(const Block& b, int64_t t) {
 
 void RingAttention::Impl::accumulate(const TensorView& part_view, float* into, int64_t heads,
                                      int64_t rows, int64_t acc_rows, int64_t row0, int64_t width,
-                                     bool f32, CUstream stream) {
+                                     CUstream stream) {
   FlexcMergeParams p{};
   p.part = part_view.data, p.acc = into;
   for (int i = 0; i < 3; ++i) p.part_stride[i] = part_view.stride(i);
   p.batch = int(part_view.shape[0]), p.heads = int(heads), p.rows = int(rows);
   p.acc_rows = int(acc_rows), p.row0 = int(row0), p.dv = int(width);
-  merge(f32 ? "flexc_grad_accumulate_f32" : "flexc_grad_accumulate", p,
-        part_view.shape[0] * heads * rows, stream);
+  merge(kAccumulate, p, part_view.shape[0] * heads * rows, stream);
 }
 
 void RingAttention::Impl::store(float* from, float* from_lse, const TensorView& out, float* lse,
@@ -411,7 +423,7 @@ void RingAttention::Impl::store(float* from, float* from_lse, const TensorView& 
   for (int i = 0; i < 3; ++i) p.out_stride[i] = out.stride(i);
   p.batch = int(plan.shape.batch), p.heads = int(heads), p.rows = int(shard_len);
   p.acc_rows = int(shard_len), p.dv = int(out.shape[3]);
-  merge("flexc_attention_merge_store", p, plan.shape.batch * heads * shard_len, stream);
+  merge(kMergeStore, p, plan.shape.batch * heads * shard_len, stream);
 }
 
 RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& shape,
@@ -449,6 +461,7 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
     m.per_rank = shape.sharding == Sharding::Zigzag ? 2 : 1;
     m.shard_len = shape.seq_len / shape.ranks;
     m.build_blocks();
+    m.load_combine();
     const int64_t kv_rows = shape.batch * shape.kv_heads * m.shard_len;
     const int64_t q_rows = shape.batch * shape.q_heads * m.shard_len;
     const int64_t part_rows = shape.batch * shape.q_heads * m.plan.chunk_len;
@@ -458,9 +471,7 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
     for (DeviceBuffer& slot : m.slots) slot = DeviceBuffer(m.k_bytes + m.v_bytes);
     m.grad_bytes = size_t(kv_rows * (shape.head_dim + m.dv)) * sizeof(float);
     m.acc = DeviceBuffer(size_t(q_rows * (m.dv + 1)) * sizeof(float));
-    // The part's LSE after its output, 16-byte aligned.
-    m.part = DeviceBuffer((size_t(part_rows * m.dv) * elem + 15) / 16 * 16 +
-                          size_t(part_rows) * sizeof(float));
+    m.part = DeviceBuffer(size_t(part_rows * (m.dv + 1)) * sizeof(float));
   });
   m.plan_opts.captures.clear();  // host pointers, valid during construction only
   m.check_same_everywhere(shape, ok, local_error);
@@ -492,10 +503,8 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
   jit::check(d.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(acc_lse), 0xff800000u,
                                 size_t(B * Hq * L), compute),
              "clearing ring attention's accumulators");  // -inf: no key seen yet
-  const size_t elem = dtype_size(s.dtype);
-  auto* part_out = static_cast<char*>(m.part.get());
-  auto* part_lse =
-      reinterpret_cast<float*>(part_out + (size_t(B * Hq * C * m.dv) * elem + 15) / 16 * 16);
+  auto* part_out = static_cast<float*>(m.part.get());
+  float* part_lse = part_out + B * Hq * C * m.dv;
 
   m.stats = {};
   bool communicated = false;
@@ -508,7 +517,7 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
       if (!m.computes(b, t)) continue;
       AttentionOptions ao = m.block_options<AttentionOptions>(b, opts, compute);
       ao.lse = TensorView{part_lse, DType::F32, {B, Hq, C}, {}};
-      const TensorView part{part_out, s.dtype, {B, Hq, C, m.dv}, {}};
+      const TensorView part{part_out, DType::F32, {B, Hq, C, m.dv}, {}};
       attention(rows_of(q, b.q_chunk * C, C), rows_of(held_k, b.kv_chunk * C, C),
                 rows_of(held_v, b.kv_chunk * C, C), part, m.variant, ao);
       FlexcMergeParams p{};
@@ -516,7 +525,7 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
       for (int i = 0; i < 3; ++i) p.part_stride[i] = part.stride(i);
       p.batch = int(B), p.heads = int(Hq), p.rows = int(C), p.acc_rows = int(L);
       p.row0 = int(b.q_chunk * C), p.dv = int(m.dv);
-      m.merge("flexc_attention_merge", p, B * Hq * C, compute);
+      m.merge(Impl::kMerge, p, B * Hq * C, compute);
     }
     // Pass the shard on (and receive the next) while its blocks run. Enqueued after them: their
     // first call loads kernels, which must not wait behind a send in flight.
@@ -535,11 +544,10 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
   const RingShape& s = m.plan.shape;
   const int64_t L = m.shard_len, C = m.plan.chunk_len, B = s.batch, Hq = s.q_heads;
   const int64_t Hkv = s.kv_heads, D = s.head_dim;
-  const size_t elem = dtype_size(s.dtype);
   const int64_t kv_rows = B * Hkv * L;
-  const auto aligned = [](size_t bytes) { return (bytes + 15) / 16 * 16; };
-  const size_t dq_part_bytes = aligned(size_t(B * Hq * C * D) * elem),
-               dkv_part_bytes = aligned(size_t(B * Hkv * C * D) * elem);
+  // A block's dq, dk, dv in float32: summed unrounded, rounded once at the end (as on one GPU).
+  const size_t dq_part_bytes = size_t(B * Hq * C * D) * 4,
+               dkv_part_bytes = size_t(B * Hkv * C * D) * 4;
   const auto check = [&] {
     if (m.dv != D)
       fail(fmt::format("backward: v_head_dim {} differs from head_dim {}; the backward kernels "
@@ -622,9 +630,9 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       chunk_lse[a] = TensorView{to, DType::F32, {B, Hq, C}, {}};
     }
   char* part = static_cast<char*>(w.part.get());
-  const TensorView dq_part{part, s.dtype, {B, Hq, C, D}, {}},
-      dk_part{part + dq_part_bytes, s.dtype, {B, Hkv, C, D}, {}},
-      dv_part{part + dq_part_bytes + dkv_part_bytes, s.dtype, {B, Hkv, C, D}, {}};
+  const TensorView dq_part{part, DType::F32, {B, Hq, C, D}, {}},
+      dk_part{part + dq_part_bytes, DType::F32, {B, Hkv, C, D}, {}},
+      dv_part{part + dq_part_bytes + dkv_part_bytes, DType::F32, {B, Hkv, C, D}, {}};
 
   m.stats = {};
   bool communicated = false;
@@ -648,10 +656,10 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       attention_backward(rows_of(q, q0, C), rows_of(held_k, kv0, C), rows_of(held_v, kv0, C),
                          rows_of(out, q0, C), chunk_lse[b.q_chunk], rows_of(dout, q0, C),
                          {dq_part, dk_part, dv_part, grads.captures}, m.variant, bo);
-      m.accumulate(dq_part, dq_acc, Hq, C, L, q0, D, false, compute);
+      m.accumulate(dq_part, dq_acc, Hq, C, L, q0, D, compute);
       if (!arrived) sync.grad_received.wait(compute), arrived = true;
-      m.accumulate(dk_part, gacc, Hkv, C, L, kv0, D, false, compute);
-      m.accumulate(dv_part, gacc + kv_rows * D, Hkv, C, L, kv0, D, false, compute);
+      m.accumulate(dk_part, gacc, Hkv, C, L, kv0, D, compute);
+      m.accumulate(dv_part, gacc + kv_rows * D, Hkv, C, L, kv0, D, compute);
     }
     communicated |= m.exchange(t, held_k, held_v);
     // dK / dV on (RingStep::grad_to): the travelling copy once this step's blocks added theirs;
@@ -683,7 +691,7 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
   if (communicated) sync.finished.order(comm, compute);
   if (w.returned.size() > 0) {
     const TensorView whole{w.returned.get(), DType::F32, {1, 1, 2 * kv_rows, D}, {}};
-    m.accumulate(whole, home, 1, 2 * kv_rows, 2 * kv_rows, 0, D, true, compute);
+    m.accumulate(whole, home, 1, 2 * kv_rows, 2 * kv_rows, 0, D, compute);
   }
   m.store(dq_acc, nullptr, grads.dq, nullptr, Hq, compute);
   m.store(home, nullptr, grads.dk, nullptr, Hkv, compute);

@@ -20,7 +20,8 @@ fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 spec=${1:-[gpu]}
 # One process per test case: the cases of one binary compile different kernels.
-declare -A pids
+rm -f "$LOGS"/*.rc
+jobs_run=()
 n=0
 for t in .carry/bin/test_*; do
   name=$(basename "$t")
@@ -29,14 +30,16 @@ for t in .carry/bin/test_*; do
     [ -n "$test_case" ] || continue
     n=$((n + 1))
     # Catch2 reads ',' in a test spec as "or": escape it.
+    # Each job writes its status to a file: bash's `wait PID` loses children it reaped early.
     (timeout "${FLEXC_TEST_TIMEOUT:-540}" "$t" "${test_case//,/\\,}" >"$LOGS/$name.$n.log" 2>&1
-     rc=$?; [ $rc = 0 ] || cp "$LOGS/$name.$n.log" "$OUT/"; exit $rc) &
-    pids["$name.$n"]=$!
+     rc=$?; echo $rc >"$LOGS/$name.$n.rc"; [ $rc = 0 ] || cp "$LOGS/$name.$n.log" "$OUT/") &
+    jobs_run+=("$name.$n")
   done < <("$t" --list-test-names-only "$spec" 2>/dev/null)
 done
 status=0
-for job in $(printf '%s\n' "${!pids[@]}" | sort -V); do
-  wait "${pids[$job]}"; rc=$?
+wait
+for job in "${jobs_run[@]}"; do
+  rc=$(cat "$LOGS/$job.rc" 2>/dev/null || echo "lost")
   echo "== $job (rc $rc): $(grep -m1 -E '^(All tests passed|test cases:)' "$LOGS/$job.log")"
   [ $rc = 0 ] || status=1
 done
