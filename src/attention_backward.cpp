@@ -81,7 +81,7 @@ KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
            {"FLEXC_WARPS", std::to_string(c.threads / 32)},
            {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
            {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
+           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
           cfg.arch};
 }
 
@@ -98,7 +98,7 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
            {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
            {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
            {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
+           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
           "sm_90a"};
 }
 
@@ -142,6 +142,9 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
       fail(fmt::format("{} is {} but grads.dq is {}: the three gradients are q's dtype or all "
                        "float32",
                        name, dtype_name(t->dtype), dtype_name(grads.dq.dtype)));
+  if (opts.accumulate && !grads_f32)
+    fail(fmt::format("accumulate adds into float32 gradients; grads.dq, dk, dv are {}",
+                     dtype_name(grads.dq.dtype)));
   const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
   const int64_t Hkv = k.shape[1], kv_len = k.shape[2];
   if (k.shape[0] != B || k.shape[3] != D)
@@ -244,7 +247,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
   kc.positions = pos.need_kernel(q_len, kv_len, false);
-  kc.f32_out = grads_f32;
+  kc.f32_out = grads_f32, kc.accumulate = opts.accumulate;
   const jit::KernelSpec portable_spec = deterministic
                                             ? jit::attention_bwd_deterministic_spec(kc)
                                             : jit::attention_bwd_spec(kc);

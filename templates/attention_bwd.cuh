@@ -271,8 +271,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
 }
 
 #if !FLEXC_DETERMINISTIC
-// dQ = scale * accumulator, in the input type (float32 in a FLEXC_F32_OUT build): one thread per 8
-// elements.
+// dQ = scale * accumulator, in the input type (float32 in a FLEXC_F32_OUT build, added into dq
+// with kAddOut): one thread per 8 elements.
 extern "C" __global__ void __launch_bounds__(256)
     flexc_attention_bwd_dq(const FlexcAttentionBwdParams p) {
   using namespace flexc_bwd;
@@ -293,8 +293,9 @@ extern "C" __global__ void __launch_bounds__(256)
   void* dq = static_cast<char*>(flexc_attn::head_rows(p.dq, p.dq_stride, b, h)) +
              (row * p.dq_stride[2] + ch * 8) * (flexc_attn::kF32Out ? 4 : 2);
   if constexpr (flexc_attn::kF32Out) {
-    static_cast<float4*>(dq)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    static_cast<float4*>(dq)[1] = make_float4(v[4], v[5], v[6], v[7]);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      flexc_attn::put_f32x2(static_cast<float*>(dq) + 2 * k, v[2 * k], v[2 * k + 1]);
   } else {
     *static_cast<uint4*>(dq) = make_uint4(pack2<kBf16>(v[0], v[1]), pack2<kBf16>(v[2], v[3]),
                                           pack2<kBf16>(v[4], v[5]), pack2<kBf16>(v[6], v[7]));

@@ -29,12 +29,24 @@ using flexc_tile::neg_inf;
 #endif
 constexpr bool kPositions = FLEXC_POSITIONS != 0;
 // A kernel built with FLEXC_F32_OUT writes its outputs (the forward's O; the backward's dQ, dK,
-// dV) in float32, unrounded: ring attention's blocks, merged or summed before one rounding. A
-// build of its own, so that the 16-bit kernels' registers stay as they are.
+// dV) in float32, unrounded: ring attention's blocks, merged or summed before one rounding; with
+// FLEXC_F32_OUT 2 (the backward) it adds them into what the outputs hold. A build of its own, so
+// that the 16-bit kernels' registers stay as they are.
 #ifndef FLEXC_F32_OUT
 #define FLEXC_F32_OUT 0
 #endif
 constexpr bool kF32Out = FLEXC_F32_OUT != 0;
+constexpr bool kAddOut = FLEXC_F32_OUT == 2;
+// Stores a pair of float32 outputs at `at` (8-byte aligned), or adds them (kAddOut): each output
+// element has one writer per call, and calls are ordered on their stream.
+__device__ __forceinline__ void put_f32x2(float* at, float x, float y) {
+  float2 v = make_float2(x, y);
+  if constexpr (kAddOut) {
+    const float2 old = *reinterpret_cast<const float2*>(at);
+    v.x += old.x, v.y += old.y;
+  }
+  *reinterpret_cast<float2*>(at) = v;
+}
 __device__ __forceinline__ int kv_pos0(const FlexcAttentionParams& p) {
   return kPositions ? p.kv_pos0 : 0;
 }
@@ -746,7 +758,7 @@ __device__ __forceinline__ void* head_rows(void* base, const long long (&stride)
 // [rows, 8 DT] matrix at `out` (row stride `stride`, elements; rows at or past `len` skipped):
 // 16-bit, staged in rows [tile_row, tile_row + 16 MT) of `tile` (shared memory no other warp reads
 // any more, in Tile's layout) for 16-byte coalesced stores; float32 (kF32Out), unrounded, from
-// the fragments as they are.
+// the fragments as they are (added into `out`: kAddOut).
 template <class Tile, bool BF16, int MT, int DT, class Factor>
 __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], Factor factor,
                                                 unsigned char* tile, int tile_row, void* out,
@@ -763,8 +775,7 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], F
         float* at = static_cast<float*>(out) + row * stride + t * 2;
 #pragma unroll
         for (int j = 0; j < DT; ++j)
-          *reinterpret_cast<float2*>(at + j * 8) =
-              make_float2(acc[i][j][2 * r] * f, acc[i][j][2 * r + 1] * f);
+          put_f32x2(at + j * 8, acc[i][j][2 * r] * f, acc[i][j][2 * r + 1] * f);
       }
   } else {
     stage_fragments<Tile, BF16>(acc, factor, tile, tile_row);

@@ -215,6 +215,7 @@ struct BwdCase {
   bool deterministic = true;
   FwdKernel kernel = FwdKernel::Auto;
   bool grads_f32 = false;  // dq, dk, dv in float32 (unrounded) instead of the input dtype
+  bool accumulate = false;  // with grads_f32: added into buffers holding random values
   // A block of a longer sequence (0: none): positions of query 0 and key 0, the lengths the mods
   // see (0: offset + rows).
   int64_t q_offset = 0, kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
@@ -238,9 +239,14 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   const std::vector<float> q = normal(c.B * c.Hq * c.Lq * c.D, c.dtype),
                            k = normal(c.B * c.Hkv * c.Lkv * c.D, c.dtype),
                            v = normal(k.size(), c.dtype), dout = normal(q.size(), c.dtype);
-  const std::vector<float> nan(q.size(), std::numeric_limits<float>::quiet_NaN());
-  const std::vector<float> nan_kv(k.size(), std::numeric_limits<float>::quiet_NaN());
-  // A poisoned gradient buffer (16-bit, or float32 with c.grads_f32), and its values.
+  // The gradients' buffers start poisoned, or (accumulate) at values the kernel adds to.
+  const std::vector<float> start_q = c.accumulate ? normal(q.size(), DType::F32)
+                                                : std::vector<float>(q.size(), std::nanf(""));
+  const std::vector<float> start_kv = c.accumulate ? normal(k.size(), DType::F32)
+                                                   : std::vector<float>(k.size(), std::nanf(""));
+  const std::vector<float> out_poison(q.size(), std::numeric_limits<float>::quiet_NaN());
+  // A gradient buffer starting at `poison` (16-bit, or float32 with c.grads_f32), and its values
+  // (less the start with c.accumulate).
   const auto grad_buffer = [&](const std::vector<float>& poison, const std::vector<int64_t>& shape,
                                TensorView& view) {
     if (!c.grads_f32) return upload16(c.dtype, poison, shape, view);
@@ -249,14 +255,18 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
     view = TensorView{buf.get(), DType::F32, shape, {}};
     return buf;
   };
-  const auto grad_values = [&](const flexc::DeviceBuffer& buf, size_t n) {
-    return c.grads_f32 ? buf.to_vector<float>(n) : download16(c.dtype, buf, n);
+  const auto grad_values = [&](const flexc::DeviceBuffer& buf, const std::vector<float>& start) {
+    const size_t n = start.size();
+    std::vector<float> g = c.grads_f32 ? buf.to_vector<float>(n) : download16(c.dtype, buf, n);
+    if (c.accumulate)
+      for (size_t i = 0; i < n; ++i) g[i] -= start[i];
+    return g;
   };
   TensorView tq, tk, tv, tout, tdout, tdq, tdk, tdv;
   const auto bq = upload16(c.dtype, q, qs, tq), bk = upload16(c.dtype, k, ks, tk),
-             bv = upload16(c.dtype, v, ks, tv), bout = upload16(c.dtype, nan, qs, tout),
-             bdout = upload16(c.dtype, dout, qs, tdout), bdq = grad_buffer(nan, qs, tdq),
-             bdk = grad_buffer(nan_kv, ks, tdk), bdv = grad_buffer(nan_kv, ks, tdv);
+             bv = upload16(c.dtype, v, ks, tv), bout = upload16(c.dtype, out_poison, qs, tout),
+             bdout = upload16(c.dtype, dout, qs, tdout), bdq = grad_buffer(start_q, qs, tdq),
+             bdk = grad_buffer(start_kv, ks, tdk), bdv = grad_buffer(start_kv, ks, tdv);
   flexc::DeviceBuffer blse(std::max<int64_t>(c.B * c.Hq * c.Lq, 4) * 4);
   const TensorView tlse{blse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
 
@@ -305,11 +315,12 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   bo.kernel = c.kernel;
   bo.q_offset = c.q_offset, bo.kv_offset = c.kv_offset;
   bo.seq_q_len = c.seq_q_len, bo.seq_kv_len = c.seq_kv_len;
+  bo.accumulate = c.accumulate;
   attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
   if (c.deterministic) {
     TensorView tdq2, tdk2, tdv2;
-    const auto bdq2 = grad_buffer(nan, qs, tdq2), bdk2 = grad_buffer(nan_kv, ks, tdk2),
-               bdv2 = grad_buffer(nan_kv, ks, tdv2);
+    const auto bdq2 = grad_buffer(start_q, qs, tdq2), bdk2 = grad_buffer(start_kv, ks, tdk2),
+               bdv2 = grad_buffer(start_kv, ks, tdv2);
     AttentionGrads again{tdq2, tdk2, tdv2, {}};
     attention_backward(tq, tk, tv, tout, tlse, tdout, again, variant, bo);
     flexc::synchronize_device();
@@ -336,8 +347,8 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
     else  // read only where it has no derivative: nothing added
       CHECK(std::all_of(cap_grads[name].begin(), cap_grads[name].end(), [](float x) { return x == 0; }));
   }
-  return check_gradients(r, grad_values(bdq, q.size()), grad_values(bdk, k.size()),
-                         grad_values(bdv, k.size()), checked);
+  return check_gradients(r, grad_values(bdq, start_q), grad_values(bdk, start_kv),
+                         grad_values(bdv, start_kv), checked);
 }
 
 Mod plain() {
@@ -382,6 +393,16 @@ TEST_CASE("attention_backward names the bad argument", "[attention]") {
   CHECK(error(lse, {dq, dk, TensorView{dv.data, DType::F16, dv.shape, {}}, {}}) ==
         "flexc::attention_backward: grads.dv is fp16 but q is bf16; q's dtype or float32 "
         "expected");
+  try {
+    BackwardOptions add;
+    add.accumulate = true;
+    attention_backward(q, k, k, out, lse, out, {dq, dk, dv, {}}, v, add);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) ==
+          "flexc::attention_backward: accumulate adds into float32 gradients; grads.dq, dk, dv "
+          "are bf16");
+  }
   CHECK(detail::bwd_config(128).smem_bytes <= 227 * 1024);
   CHECK_THROWS_WITH(detail::bwd_config(256),
                     "the backward kernel has no head dim 256 (32, 64, 96 or 128)");
@@ -543,11 +564,13 @@ TEST_CASE("backward: derivatives other than 1 and learnable biases against the r
     }
 }
 
-TEST_CASE("backward: float32 gradients are the gradients unrounded", "[gpu]") {
+TEST_CASE("backward: float32 gradients are the gradients unrounded, or added into", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // Ring attention sums its blocks' dq, dk, dv in float32 and rounds once. The same inputs into
   // 16-bit gradients and float32 ones: the float32 ones must be nearer float64 (their error lacks
   // the final rounding), both passing the rule; dq by atomics and deterministic, both kernels.
+  // Added into float32 buffers holding random values (accumulate): those values plus the same
+  // gradients.
   const Variant v = Variant::from_catalogue("alibi");
   int i = 0;
   for (FwdKernel kernel : {FwdKernel::Auto, FwdKernel::Portable})
@@ -560,10 +583,19 @@ TEST_CASE("backward: float32 gradients are the gradients unrounded", "[gpu]") {
       rng() = inputs;
       c.grads_f32 = true;
       const BackwardAccuracy a32 = run_backward_case(v, c);
-      INFO(c.describe() << "\n  16-bit  " << a16.summary() << "\n  float32 " << a32.summary());
+      rng() = inputs;
+      c.accumulate = true;
+      const BackwardAccuracy add = run_backward_case(v, c);
+      INFO(c.describe() << "\n  16-bit  " << a16.summary() << "\n  float32 " << a32.summary()
+                        << "\n  added   " << add.summary());
       CHECK(a16.pass);
       CHECK(a32.pass);
-      for (size_t g = 0; g < 3; ++g) CHECK(a32.grads[g].rmse < a16.grads[g].rmse);
+      CHECK(add.pass);
+      for (size_t g = 0; g < 3; ++g) {
+        CHECK(a32.grads[g].rmse < a16.grads[g].rmse);
+        // (base + g) - base rounds at base's scale (about 1e-7), far below the gradients' error.
+        CHECK(add.grads[g].rmse <= 1.05 * a32.grads[g].rmse + 1e-6);
+      }
     }
 }
 

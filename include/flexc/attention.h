@@ -110,11 +110,16 @@ struct BackwardOptions {
   // given the whole sequence's out and LSE rows of these queries (ring attention's backward).
   int64_t q_offset = 0, kv_offset = 0;
   int64_t seq_q_len = 0, seq_kv_len = 0;
+  // true: add the gradients into dq, dk and dv (float32, all three) instead of writing them, as a
+  // gradient is accumulated over blocks (ring attention's steps) or micro-batches; no rounding
+  // between the parts and no buffer for them.
+  bool accumulate = false;
 };
 
 // The backward pass of flexc::attention: given the forward's inputs, its output `out` and its
 // `lse` (float32 [B, Hq, Q_LEN], contiguous: pass AttentionOptions::lse to the forward), and
-// dout = dL/dout, writes dq, dk, dv and adds the capture gradients (docs/attention.md). dk and
+// dout = dL/dout, writes dq, dk, dv (or adds into them: opts.accumulate) and adds the capture
+// gradients (docs/attention.md). dq, dk, dv are q's dtype, or float32 all three. dk and
 // dv are bitwise reproducible, dq too with opts.deterministic = true; capture gradients are
 // accumulated with float32 atomics. D in {32,
 // 64, 96, 128}; BlockMask tiles multiples of 64 x 64. Enqueued on opts.stream with stream-ordered

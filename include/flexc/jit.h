@@ -38,8 +38,9 @@ struct KernelBuild {
   // sequence's lengths given: ring attention), which such calls run (docs/attention.md).
   bool positions = false;
   // The attention kernels' build with float32 outputs (the forward's out, the backward's dq, dk,
-  // dv), which calls given float32 outputs run; ring attention's blocks: with `positions`.
-  bool f32_out = false;
+  // dv), which calls given float32 outputs run; with `accumulate` the backward's adding them
+  // (BackwardOptions::accumulate). Ring attention runs both, with `positions`.
+  bool f32_out = false, accumulate = false;
 };
 
 struct CompiledKernel {

@@ -287,16 +287,20 @@ PYBIND11_MODULE(_flexc, m) {
   m.def(
       "compile",
       [](const Variant& v, const std::string& kernel, const std::string& arch,
-         const std::string& dtype, int head_dim, int v_head_dim, bool use_cache, bool positions) {
-        const KernelBuild b{kernel, arch, dtype, head_dim, v_head_dim, positions};
+         const std::string& dtype, int head_dim, int v_head_dim, bool use_cache, bool positions,
+         bool f32_out, bool accumulate) {
+        const KernelBuild b{kernel, arch,      dtype,   head_dim,
+                            v_head_dim, positions, f32_out, accumulate};
         py::gil_scoped_release release;  // NVRTC takes a while; other Python threads may run
         return compile_kernels(v, {&b, 1}, use_cache).front();
       },
       py::arg("variant"), py::arg("kernel"), py::arg("arch") = "", py::arg("dtype") = "bf16",
       py::arg("head_dim") = 128, py::arg("v_head_dim") = 0, py::arg("use_cache") = true,
-      py::arg("positions") = false,
+      py::arg("positions") = false, py::arg("f32_out") = false, py::arg("accumulate") = false,
       "Compiles one kernel template for the variant (no GPU needed when arch is named); "
-      "positions: the attention kernels' build for blocks of a longer sequence.");
+      "positions: the attention kernels' build for blocks of a longer sequence; f32_out: with "
+      "float32 outputs; accumulate: the backward's adding into them (ring attention runs "
+      "positions with both).");
 
   py::enum_<TileKind>(m, "TileKind")
       .value("EMPTY", TileKind::Empty)

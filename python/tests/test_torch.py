@@ -3,7 +3,10 @@
 Each case runs flexc and torch.compile(flex_attention) on the same bf16 inputs and measures both
 against float64 math on the same values (forward, LSE, and the gradients of q, k, v and of the
 captures that require grad): flexc's error must be at most 1.1x torch's (+ a float32 floor).
-Skipped, with the reason shown, without torch or a CUDA GPU.
+A gradient of a few elements (an ALiBi slope per head: 8 numbers) is a handful of samples of
+rounding noise, whose rmse ratio between two implementations spreads by about 1/sqrt(n) (0.35 at
+8): 1.1x there fails at random (seen: 1.25x one run, 0.80x the next), so those take the tolerance
+rule's 1.5x. Skipped, with the reason shown, without torch or a CUDA GPU.
 """
 import math
 import os
@@ -74,9 +77,11 @@ def rmse(a, b):
 
 def no_worse(name, ours, theirs, gold, floor=1e-6):
     e_ours, e_theirs = rmse(ours, gold), rmse(theirs, gold)
-    print(f"  {name}: flexc rmse {e_ours:.3e}, torch flex {e_theirs:.3e}")
+    bar = 1.1 if ours.numel() >= 256 else 1.5  # few elements: a noisy statistic (see above)
+    print(f"  {name}: flexc rmse {e_ours:.3e}, torch flex {e_theirs:.3e} (bar {bar}x)")
     assert not torch.isnan(ours).any(), f"{name}: NaN"
-    assert e_ours <= 1.1 * e_theirs + floor, f"{name}: flexc {e_ours:.3e} > 1.1 x torch {e_theirs:.3e}"
+    assert e_ours <= bar * e_theirs + floor, \
+        f"{name}: flexc {e_ours:.3e} > {bar} x torch {e_theirs:.3e}"
 
 
 CASES = [

@@ -23,8 +23,9 @@ struct KernelConfig {
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
   bool positions = false;
   // The attention kernels' outputs (forward: O; backward: dQ, dK, dV) in float32, unrounded
-  // (templates/attention_tile.cuh, kF32Out): ring attention's blocks.
-  bool f32_out = false;
+  // (templates/attention_tile.cuh, kF32Out); the backward's added into them (kAddOut), with
+  // f32_out: ring attention's blocks.
+  bool f32_out = false, accumulate = false;
 };
 
 struct KnownKernel {

@@ -51,7 +51,7 @@ std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const Ke
   for (const KernelBuild& b : builds) {
     jit::KernelConfig cfg{b.arch, b.dtype, b.head_dim, b.v_head_dim};
     cfg.positions = b.positions;
-    cfg.f32_out = b.f32_out;
+    cfg.f32_out = b.f32_out, cfg.accumulate = b.accumulate;
     specs.push_back(jit::find_kernel(b.kernel).spec(cfg));
   }
   std::vector<CompiledKernel> out;

@@ -147,7 +147,7 @@ struct RingAttention::Impl {
   // shard's, the own one's returned copy; a block's 16-bit dq, dk, dv and the LSE rows of each
   // query chunk (zigzag: the shard's rows are two chunks).
   struct Backward {
-    DeviceBuffer dq_acc, home, slots[2], returned, part, lse_parts;
+    DeviceBuffer dq_acc, home, slots[2], returned, lse_parts, dkv_part;
   };
   std::optional<Backward> bwd;
   size_t grad_bytes = 0;  // a shard's dK and dV in float32
@@ -545,9 +545,6 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
   const int64_t L = m.shard_len, C = m.plan.chunk_len, B = s.batch, Hq = s.q_heads;
   const int64_t Hkv = s.kv_heads, D = s.head_dim;
   const int64_t kv_rows = B * Hkv * L;
-  // A block's dq, dk, dv in float32: summed unrounded, rounded once at the end (as on one GPU).
-  const size_t dq_part_bytes = size_t(B * Hq * C * D) * 4,
-               dkv_part_bytes = size_t(B * Hkv * C * D) * 4;
   const auto check = [&] {
     if (m.dv != D)
       fail(fmt::format("backward: v_head_dim {} differs from head_dim {}; the backward kernels "
@@ -585,8 +582,8 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
           returns |=
               m.plan.steps[t].grad_to[x] == m.rank && (x - t + m.ranks) % m.ranks == m.rank;
       if (returns) w.returned = DeviceBuffer(m.grad_bytes);
-      w.part = DeviceBuffer(dq_part_bytes + 2 * dkv_part_bytes);
       if (m.per_rank > 1) w.lse_parts = DeviceBuffer(size_t(m.per_rank * B * Hq * C) * 4);
+      if (m.ranks > 2) w.dkv_part = DeviceBuffer(size_t(2 * B * Hkv * C * D) * 4);
     } catch (const std::exception& e) {
       ok = false, local_error = e.what();
     } catch (...) {
@@ -629,10 +626,16 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       jit::check(d.cuMemcpy2DAsync(&cp, compute), "copying the LSE rows of a query chunk");
       chunk_lse[a] = TensorView{to, DType::F32, {B, Hq, C}, {}};
     }
-  char* part = static_cast<char*>(w.part.get());
-  const TensorView dq_part{part, DType::F32, {B, Hq, C, D}, {}},
-      dk_part{part + dq_part_bytes, DType::F32, {B, Hkv, C, D}, {}},
-      dv_part{part + dq_part_bytes + dkv_part_bytes, DType::F32, {B, Hkv, C, D}, {}};
+  // Each block adds its dq, dk, dv into the float32 accumulators (BackwardOptions::accumulate):
+  // summed unrounded, rounded once at the end, as on one GPU. From step 2 the held shard's copy
+  // arrives from rank r - 1 after that rank's blocks: the step's first block adds its dk, dv into
+  // a zeroed part instead, added to the copy once it came, so that its compute does not wait.
+  const TensorView dq_all{dq_acc, DType::F32, {B, Hq, L, D}, {}};
+  const auto kv_all = [&](float* at) { return TensorView{at, DType::F32, {B, Hkv, L, D}, {}}; };
+  float* dk_part = static_cast<float*>(w.dkv_part.get());
+  float* dv_part = dk_part + B * Hkv * C * D;
+  const TensorView dk_part_view{dk_part, DType::F32, {B, Hkv, C, D}, {}},
+      dv_part_view{dv_part, DType::F32, {B, Hkv, C, D}, {}};
 
   m.stats = {};
   bool communicated = false;
@@ -652,14 +655,23 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       if (!m.computes(b, t)) continue;
       BackwardOptions bo = m.block_options<BackwardOptions>(b, opts, compute);
       bo.deterministic = opts.deterministic;
+      bo.accumulate = true;
       const int64_t q0 = b.q_chunk * C, kv0 = b.kv_chunk * C;
-      attention_backward(rows_of(q, q0, C), rows_of(held_k, kv0, C), rows_of(held_v, kv0, C),
-                         rows_of(out, q0, C), chunk_lse[b.q_chunk], rows_of(dout, q0, C),
-                         {dq_part, dk_part, dv_part, grads.captures}, m.variant, bo);
-      m.accumulate(dq_part, dq_acc, Hq, C, L, q0, D, compute);
-      if (!arrived) sync.grad_received.wait(compute), arrived = true;
-      m.accumulate(dk_part, gacc, Hkv, C, L, kv0, D, compute);
-      m.accumulate(dv_part, gacc + kv_rows * D, Hkv, C, L, kv0, D, compute);
+      const auto block = [&](const TensorView& dk, const TensorView& dv) {
+        attention_backward(rows_of(q, q0, C), rows_of(held_k, kv0, C), rows_of(held_v, kv0, C),
+                           rows_of(out, q0, C), chunk_lse[b.q_chunk], rows_of(dout, q0, C),
+                           {rows_of(dq_all, q0, C), dk, dv, grads.captures}, m.variant, bo);
+      };
+      if (arrived) {
+        block(rows_of(kv_all(gacc), kv0, C), rows_of(kv_all(gacc + kv_rows * D), kv0, C));
+        continue;
+      }
+      jit::check(d.cuMemsetD8Async(w.dkv_part.ptr(), 0, w.dkv_part.size(), compute),
+                 "clearing a block's dK / dV");
+      block(dk_part_view, dv_part_view);
+      sync.grad_received.wait(compute), arrived = true;
+      m.accumulate(dk_part_view, gacc, Hkv, C, L, kv0, D, compute);
+      m.accumulate(dv_part_view, gacc + kv_rows * D, Hkv, C, L, kv0, D, compute);
     }
     communicated |= m.exchange(t, held_k, held_v);
     // dK / dV on (RingStep::grad_to): the travelling copy once this step's blocks added theirs;

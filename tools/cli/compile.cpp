@@ -31,7 +31,7 @@ struct Options {
   std::string arch, dtype = "bf16", kernels = "all", out_dir, emit, precision;
   std::string gate_dtype = "float32";  // linear-attention configs' gates
   int head_dim = 128, v_head_dim = 0;
-  bool timings = false, positions = false, f32_out = false;
+  bool timings = false, positions = false, f32_out = false, accumulate = false;
 };
 
 // A comma-separated list; an empty list or item is an error naming the option.
@@ -74,11 +74,12 @@ void run(const Options& o) {
   std::vector<KernelBuild> builds;
   if (o.kernels == "all")
     for (const KernelInfo& k : kernel_templates(o.arch.empty() ? current_arch() : o.arch))
-      builds.push_back(
-          {k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions, o.f32_out});
+      builds.push_back({k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions,
+                        o.f32_out, o.accumulate});
   else
     for (const std::string& name : split(o.kernels, "--kernel"))
-      builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions, o.f32_out});
+      builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions, o.f32_out,
+                        o.accumulate});
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
   for (const std::string& e : o.emit.empty() ? std::vector<std::string>{} : split(o.emit, "--emit")) {
@@ -175,10 +176,14 @@ const Register reg{
       c->add_flag("--timings", o->timings, "print NVRTC and total times");
       c->add_flag("--positions", o->positions,
                   "the attention kernels' build for a block of a longer sequence (keys at an "
-                  "offset, the sequence's lengths given); ring attention runs it with --f32-out");
+                  "offset, the sequence's lengths given); ring attention runs it with --f32-out "
+                  "--accumulate");
       c->add_flag("--f32-out", o->f32_out,
                   "the attention kernels' build with float32 outputs (forward: out; backward: dq, "
                   "dk, dv), which calls given float32 outputs run");
+      c->add_flag("--accumulate", o->accumulate,
+                  "with --f32-out: the backward's build adding into dq, dk, dv "
+                  "(BackwardOptions::accumulate)");
       add_precision_option(c, o->precision);
       c->callback([o] { run(*o); });
     }};
