@@ -214,7 +214,7 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
            {"FLEXC_WARPS", std::to_string(c.threads / 32)},
            {"FLEXC_STAGES", std::to_string(c.stages)},
            {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
+           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
           cfg.arch};
 }
 
@@ -232,7 +232,7 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
            {"FLEXC_STAGES", std::to_string(c.stages)},
            {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
            {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.f32_out ? "1" : "0"}},
+           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
           "sm_90a"};
 }
 
@@ -315,6 +315,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
                                 opts.seq_q_len, opts.seq_kv_len, kMaxInt - 256);
   if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
+  if (opts.accumulate && (out.dtype != DType::F32 || !opts.lse))
+    fail(fmt::format("accumulate merges into a float32 out and its lse; out is {}{}",
+                     dtype_name(out.dtype), opts.lse ? "" : " and lse is not set"));
   // The kernel writes out (and lse) while reading q / k / v: an output element written twice, or
   // an output sharing memory with another operand, gives a result that depends on block order.
   if (detail::self_overlaps(out))
@@ -351,7 +354,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
 
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
   kc.positions = pos.need_kernel(q_len, kv_len, true);
-  kc.f32_out = out.dtype == DType::F32;
+  kc.f32_out = out.dtype == DType::F32, kc.accumulate = opts.accumulate;
   // Short sequences on Hopper: a persistent grid.
   kc.persistent = hopper && detail::fwd_sm90_persistent(
                                 cfg, int(D), int(Dv), kv_len,

@@ -7,10 +7,9 @@
 //
 // One warp per row; lanes take 4 columns at a time. FLEXC_BF16 picks the output type.
 // flexc_attention_combine merges all parts of a row at once (decode: float32 parts);
-// flexc_attention_merge folds one float32 part at a time into float32 accumulators (ring
-// attention: a block per step, its output unrounded), flexc_attention_merge_store writes them
-// out. The ring's backward sums its blocks' float32 gradients: flexc_grad_accumulate adds a part
-// into the accumulators.
+// Ring attention's blocks merge themselves into float32 accumulators (the forward kernels'
+// FLEXC_F32_OUT 2 build); flexc_attention_merge_store writes them out. The ring's backward adds a
+// float32 gradient part into its accumulators with flexc_grad_accumulate.
 #pragma once
 
 #include "attention_params.cuh"
@@ -115,37 +114,6 @@ struct WarpRow {
 }  // namespace flexc_combine
 
 extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
-    flexc_attention_merge(const FlexcMergeParams p) {
-  using namespace flexc_combine;
-  const WarpRow at(p.batch, p.heads, p.rows);
-  if (!at.valid) return;
-  const int lane = threadIdx.x & 31;
-  const long long acc_row =
-      (static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 + at.i;
-  const float la = p.acc_lse[acc_row], lb = p.part_lse[at.row];
-  // Weights over the max (natural log units); a side that saw no key (-inf) weighs 0, a NaN
-  // (a flagged argument) makes the row NaN; neither side with a key leaves it as it is.
-  const bool nan = la != la || lb != lb;
-  const float m = nan ? la + lb : fmaxf(la, lb);
-  if (m == neg_inf()) return;
-  const float wa = expf(la - m), wb = expf(lb - m), inv = 1.f / (wa + wb);
-  float* acc = p.acc + acc_row * p.dv;
-  const float* part = at.of(static_cast<const float*>(p.part), p.part_stride);
-  for (int c = lane * 4; c < p.dv; c += 128) {
-    const float4 x = *reinterpret_cast<const float4*>(acc + c),
-                 y = *reinterpret_cast<const float4*>(part + c);
-    // A weight of 0 adds exactly 0, whatever the other side holds.
-    auto mix = [&](float a, float b) {
-      return ((wa == 0.f ? 0.f : wa * a) + (wb == 0.f ? 0.f : wb * b)) * inv;
-    };
-    *reinterpret_cast<float4*>(acc + c) =
-        make_float4(mix(x.x, y.x), mix(x.y, y.y), mix(x.z, y.z), mix(x.w, y.w));
-  }
-  __syncwarp();  // every lane read the LSE before lane 0 replaces it
-  if (lane == 0) p.acc_lse[acc_row] = m + logf(wa + wb);
-}
-
-extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     flexc_attention_merge_store(const FlexcMergeParams p) {
   using namespace flexc_combine;
   const WarpRow at(p.batch, p.heads, p.acc_rows);
@@ -160,7 +128,9 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
     packed.y = flexc_tile::pack2<FLEXC_BF16 != 0>(x.z, x.w);
     *reinterpret_cast<uint2*>(out + c) = packed;
   }
-  if (p.lse != nullptr && lane == 0) p.lse[at.row] = p.acc_lse[at.row];
+  if (p.lse != nullptr && lane == 0)
+    p.lse[(static_cast<long long>(at.b) * p.heads + at.h) * p.lse_rows + p.row0 + at.i] =
+        p.acc_lse[at.row];
 }
 
 // acc rows += part rows: a gradient's float32 share from one block.

@@ -98,21 +98,20 @@ struct FlexcCombineParams {
   int heads, q_len, rows, parts, dv;
 };
 
-// Ring attention's merge (templates/attention_combine.cuh): flexc_attention_merge folds one
-// block's normalised output and LSE (the part: `rows` rows of each head, its rows row0.. of the
-// shard) into float32 accumulators of the shard's `acc_rows` rows (initially 0 and -inf);
-// flexc_attention_merge_store writes the accumulators out in the output's type. The backward's
-// gradients use the same rows: flexc_grad_accumulate adds a block's part (dq, dk or dv) into
-// float32 accumulators, and merge_store without an LSE writes them out; `dv` is then the
-// gradient's head dim.
+// Ring attention's accumulators (templates/attention_combine.cuh): flexc_attention_merge_store
+// writes float32 accumulators of `acc_rows` rows a head out in the output's type, and their LSE
+// as rows row0.. of an LSE of `lse_rows` rows a head. The backward's gradients:
+// flexc_grad_accumulate adds a part (`rows` rows a head) into rows row0.. of float32
+// accumulators, and merge_store without an LSE writes them out; `dv` is then the gradient's
+// head dim.
 struct FlexcMergeParams {
-  const void* part;       // float32 [batch, heads, rows, dv], part_stride (batch, head, row)
-  const float* part_lse;  // [batch, heads, rows], contiguous
-  float* acc;             // [batch, heads, acc_rows, dv], contiguous
-  float* acc_lse;         // [batch, heads, acc_rows]
-  void* out;              // merge_store: 16-bit [batch, heads, acc_rows, dv], out_stride
-  float* lse;             // merge_store: may be null (acc_lse is then not read); contiguous
-  long long part_stride[3];
+  const void* part;  // flexc_grad_accumulate: float32 [batch, heads, rows, dv], part_stride
+  float* acc;        // [batch, heads, acc_rows, dv], contiguous
+  float* acc_lse;    // merge_store: [batch, heads, acc_rows] (read only with lse)
+  void* out;         // merge_store: 16-bit [batch, heads, acc_rows, dv], out_stride
+  float* lse;        // merge_store: may be null; [batch, heads, lse_rows], its rows row0..
+  long long part_stride[3];  // (batch, head, row)
   long long out_stride[3];
   int batch, heads, rows, acc_rows, row0, dv;
+  int lse_rows;
 };

@@ -30,7 +30,8 @@ using flexc_tile::neg_inf;
 constexpr bool kPositions = FLEXC_POSITIONS != 0;
 // A kernel built with FLEXC_F32_OUT writes its outputs (the forward's O; the backward's dQ, dK,
 // dV) in float32, unrounded: ring attention's blocks, merged or summed before one rounding; with
-// FLEXC_F32_OUT 2 (the backward) it adds them into what the outputs hold. A build of its own, so
+// FLEXC_F32_OUT 2 it adds them into what the outputs hold (the backward) or merges them into O
+// and its LSE (the forward: store_rows). A build of its own, so
 // that the 16-bit kernels' registers stay as they are.
 #ifndef FLEXC_F32_OUT
 #define FLEXC_F32_OUT 0
@@ -786,26 +787,70 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], F
 }
 
 // The epilogue of one warp: its normalised rows of O from q row `row0` (store_fragments), and
-// their LSE when p.lse is set.
+// their LSE when p.lse is set. The forward's FLEXC_F32_OUT 2 build merges them instead into the
+// float32 rows O holds and their LSE in p.lse (a softmax over other keys; 0 and -inf at first):
+//   lse = log(exp(lse_o) + exp(lse_this)), O = exp(lse_o - lse) O + exp(lse_this - lse) O_this,
+// as templates/attention_combine.cuh merges split-KV parts: a side without keys (LSE -inf)
+// weighs 0, a NaN LSE makes the row NaN.
 template <class Tile, bool BF16, int MT, int DT>
 __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
                                            const float (&inv_sum)[MT][2],
                                            const float (&lse)[MT][2], unsigned char* tile,
                                            int tile_row, const FlexcAttentionParams& p, int b,
                                            int h, int row0) {
-  store_fragments<Tile, BF16>(
-      acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row,
-      head_rows(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.q_len);
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  if (p.lse != nullptr && t == 0) {
-    float* out = p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+  float* row_lse = p.lse == nullptr
+                       ? nullptr
+                       : p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+  if constexpr (kAddOut) {
+    float* o = static_cast<float*>(head_rows(p.o, p.o_stride, b, h));
+    float merged[MT][2];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + i * 16 + g + r * 8;
-        if (row < p.q_len) out[row] = lse[i][r];
+        merged[i][r] = neg_inf();
+        if (row >= p.q_len) continue;
+        const float la = row_lse[row], lb = lse[i][r];
+        const bool nan = la != la || lb != lb;
+        const float m = nan ? la + lb : fmaxf(la, lb);
+        if (m == neg_inf()) continue;  // no key on either side: the row stays 0, -inf
+        const float wa = expf(la - m), wb = expf(lb - m), inv = 1.f / (wa + wb);
+        const float fa = wa * inv, fb = wb * inv * inv_sum[i][r];
+        float* at = o + row * p.o_stride[2] + t * 2;
+#pragma unroll
+        for (int j = 0; j < DT; ++j) {
+          const float2 x = *reinterpret_cast<const float2*>(at + j * 8);
+          // A weight of 0 adds exactly 0, whatever the other side holds.
+          *reinterpret_cast<float2*>(at + j * 8) =
+              make_float2((wa == 0.f ? 0.f : fa * x.x) + (wb == 0.f ? 0.f : fb * acc[i][j][2 * r]),
+                          (wa == 0.f ? 0.f : fa * x.y) +
+                              (wb == 0.f ? 0.f : fb * acc[i][j][2 * r + 1]));
+        }
+        merged[i][r] = m + logf(wa + wb);
       }
+    __syncwarp();  // the row's four lanes read its LSE before one replaces it
+    if (t == 0)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + i * 16 + g + r * 8;
+          if (row < p.q_len && merged[i][r] != neg_inf()) row_lse[row] = merged[i][r];
+        }
+  } else {
+    store_fragments<Tile, BF16>(
+        acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row,
+        head_rows(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.q_len);
+    if (row_lse != nullptr && t == 0)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + i * 16 + g + r * 8;
+          if (row < p.q_len) row_lse[row] = lse[i][r];
+        }
   }
 }
 

@@ -482,6 +482,11 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
              Contains("out is fp16 but q is bf16; q's dtype or float32 expected"));
   CHECK_THAT(err(q, k, TensorView{out.data, DType::I32, out.shape, {}}),
              Contains("out is int32; bf16 or fp16 (q's dtype) or float32 expected"));
+  AttentionOptions merge;
+  merge.accumulate = true;
+  CHECK_THAT(err(q, k, out, merge),
+             Contains("accumulate merges into a float32 out and its lse; out is bf16 and lse is "
+                      "not set"));
   CHECK_THAT(err(q, TensorView{k.data, k.dtype, {1, 2, 32, 32}, {}}, out),
              Contains("k must be [B, Hkv, KV_LEN, D] = [1, *, *, 64]"));
   CHECK_THAT(err(q, TensorView{k.data, k.dtype, {1, 3, 32, 64}, {}}, out),
@@ -1556,6 +1561,62 @@ TEST_CASE("a float32 out is the output unrounded", "[gpu]") {
       CHECK(a32.out_rmse < 0.8 * a16.out_rmse);
       CHECK(a32.lse_rmse <= 1.1 * a16.lse_rmse + 1e-7);
     }
+}
+
+TEST_CASE("accumulate merges calls over parts of the keys into one softmax", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Ring attention's forward: each block merges itself into float32 accumulators and their LSE
+  // (0 and -inf at first). Keys [0, 256) then [256, 517) of the same queries, each call at its
+  // positions (with its BlockMask there), must equal attention over all 517 keys: under a causal
+  // mask the queries before 256 see nothing in the second part (it must leave them as they are).
+  const int64_t split = 256;
+  int at = 0;
+  for (int64_t d : {64, 128})
+    for (FwdKernel kernel : kernels_for(d))
+      for (const char* name : {"causal", "softcap"}) {
+        const DType dt = at++ % 2 ? DType::F16 : DType::BF16;
+        const int64_t B = 2, Hq = 4, Hkv = 2, Lq = 300, Lkv = 517;
+        const Problem p(B, Hq, Hkv, Lq, Lkv, d, dt);
+        const Variant v = Variant::from_catalogue(name);
+        const flexc::DeviceBuffer dq = flexc::testing::upload16(dt, p.q);
+        flexc::DeviceBuffer acc(size_t(B * Hq * Lq * d) * 4), lse(size_t(B * Hq * Lq) * 4);
+        acc.fill(0);
+        const std::vector<float> none(size_t(B * Hq * Lq), -std::numeric_limits<float>::infinity());
+        lse.upload(none.data(), none.size() * 4);
+        std::vector<flexc::DeviceBuffer> kept;
+        std::vector<BlockMask> masks;
+        masks.reserve(2);
+        for (const auto& [k0, n] : {std::pair<int64_t, int64_t>{0, split}, {split, Lkv - split}}) {
+          kept.push_back(flexc::testing::upload16(dt, rows_of(p.k, B * Hkv, Lkv, d, k0, n)));
+          kept.push_back(flexc::testing::upload16(dt, rows_of(p.v, B * Hkv, Lkv, d, k0, n)));
+          AttentionOptions o;
+          o.accumulate = true;
+          o.kernel = kernel;
+          o.lse = TensorView{lse.get(), DType::F32, {B, Hq, Lq}, {}};
+          o.kv_offset = k0, o.seq_q_len = Lq, o.seq_kv_len = Lkv;
+          if (!v.mask_always_true()) {
+            BlockMaskOptions bmo;
+            bmo.kv_offset = k0, bmo.seq_q_len = Lq, bmo.seq_kv_len = Lkv;
+            masks.push_back(create_block_mask(v, B, Hq, Lq, n, bmo));
+            o.block_mask = &masks.back();
+          }
+          attention(TensorView{dq.get(), dt, {B, Hq, Lq, d}, {}},
+                    TensorView{kept[kept.size() - 2].get(), dt, {B, Hkv, n, d}, {}},
+                    TensorView{kept.back().get(), dt, {B, Hkv, n, d}, {}},
+                    TensorView{acc.get(), DType::F32, {B, Hq, Lq, d}, {}}, v, o);
+        }
+        flexc::synchronize_device();
+        const std::vector<float> out = acc.to_vector<float>(size_t(B * Hq * Lq * d)),
+                                 got_lse = lse.to_vector<float>(size_t(B * Hq * Lq));
+        ReferenceProblem rp = p.reference();
+        const ReferenceResult r = reference_attention(v, rp);
+        const Accuracy a = check_accuracy(r, out, got_lse);
+        INFO(name << " " << dtype_name(dt) << " D " << d << " " << to_string(kernel) << ": "
+                  << a.summary());
+        CHECK(a.pass);
+        // Unrounded: nearer float64 than the reference, which rounds the output once.
+        CHECK(a.out_rmse < a.out_ref_rmse);
+      }
 }
 
 namespace {

@@ -65,6 +65,11 @@ struct AttentionOptions {
   // with the same four BlockMaskOptions fields.
   int64_t kv_offset = 0;
   int64_t seq_q_len = 0, seq_kv_len = 0;
+  // true: merge this call's output into `out` (float32) and `lse` (required), which hold the
+  // softmax over other keys of the same queries (0 and -inf before the first part): afterwards
+  // over both, by the log-sum-exp combine. Keys split into calls (ring attention's steps, a KV
+  // cache in segments) merge in place, with no buffer for the parts and no rounding between them.
+  bool accumulate = false;
 };
 
 // Enqueues the kernel on opts.stream (compiling it on first use: later calls with the same

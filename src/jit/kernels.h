@@ -23,8 +23,8 @@ struct KernelConfig {
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
   bool positions = false;
   // The attention kernels' outputs (forward: O; backward: dQ, dK, dV) in float32, unrounded
-  // (templates/attention_tile.cuh, kF32Out); the backward's added into them (kAddOut), with
-  // f32_out: ring attention's blocks.
+  // (templates/attention_tile.cuh, kF32Out); with f32_out, `accumulate` adds the backward's into
+  // them and merges the forward's into O and its LSE (kAddOut): ring attention's blocks.
   bool f32_out = false, accumulate = false;
 };
 

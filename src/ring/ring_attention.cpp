@@ -130,10 +130,10 @@ struct RingAttention::Impl {
   std::vector<bool> sends, recvs;         // by step: this rank passes its shard on / receives one
   size_t k_bytes = 0, v_bytes = 0;
   DeviceBuffer slots[2];  // K then V of a shard in flight (contiguous)
-  DeviceBuffer acc;       // float32 [B, Hq, L, Dv] accumulators, then [B, Hq, L] LSE
-  // A block's output [B, Hq, C, Dv] then its LSE [B, Hq, C], float32: rounded once, after the
-  // merge, as one GPU rounds the whole row's output.
-  DeviceBuffer part;
+  // float32 accumulators of the shard's output, query chunk by query chunk ([per_rank, B, Hq,
+  // C, Dv]: each block merges into one chunk's, contiguous), then their LSE ([per_rank, B, Hq,
+  // C]); rounded once, at the end, as one GPU rounds the whole row's output.
+  DeviceBuffer acc;
   // The ring's stream and the events ordering it with the caller's (made once the arguments are
   // checked: a bad one is reported before any CUDA work).
   struct Sync {
@@ -166,7 +166,7 @@ struct RingAttention::Impl {
   void build_blocks();
   // attention_combine.cuh's kernels, loaded at construction: loading one later, with a send in
   // flight, could wait for the device while the send waits for a peer.
-  enum Combine { kMerge, kMergeStore, kAccumulate, kCombines };
+  enum Combine { kMergeStore, kAccumulate, kCombines };
   const jit::Kernel* combine[kCombines] = {};
   void load_combine();
   void merge(Combine which, FlexcMergeParams& p, int64_t rows, CUstream stream);
@@ -200,9 +200,10 @@ struct RingAttention::Impl {
   // `into` rows [row0, row0 + rows) of each (batch, head) += part_view's rows (float32).
   void accumulate(const TensorView& part_view, float* into, int64_t heads, int64_t rows,
                   int64_t acc_rows, int64_t row0, int64_t width, CUstream stream);
-  // out (16-bit) = acc's rows; with lse, the LSE too.
+  // out (16-bit; `rows` rows a head) = acc's rows; with lse, the LSE too, as rows lse_row0.. of
+  // the shard's.
   void store(float* from, float* from_lse, const TensorView& out, float* lse, int64_t heads,
-             CUstream stream);
+             int64_t rows, int64_t lse_row0, CUstream stream);
 };
 
 void RingAttention::Impl::check_comm(const RingShape& shape) {
@@ -319,7 +320,6 @@ void RingAttention::Impl::load_combine() {
   jit::KernelConfig kc{"", s.dtype == DType::BF16 ? "bf16" : "fp16", int(s.head_dim), int(dv)};
   const jit::KernelSpec module = jit::attention_decode_spec(kc);  // attention_combine.cuh's
   std::vector<jit::KernelSpec> specs(kCombines, module);
-  specs[kMerge].entry = "flexc_attention_merge";
   specs[kMergeStore].entry = "flexc_attention_merge_store";
   specs[kAccumulate].entry = "flexc_grad_accumulate";
   const std::vector<const jit::Kernel*> got = jit::get_kernels(variant, specs);
@@ -417,13 +417,14 @@ void RingAttention::Impl::accumulate(const TensorView& part_view, float* into, i
 }
 
 void RingAttention::Impl::store(float* from, float* from_lse, const TensorView& out, float* lse,
-                                int64_t heads, CUstream stream) {
+                                int64_t heads, int64_t rows, int64_t lse_row0, CUstream stream) {
   FlexcMergeParams p{};
   p.acc = from, p.acc_lse = from_lse, p.out = out.data, p.lse = lse;
   for (int i = 0; i < 3; ++i) p.out_stride[i] = out.stride(i);
-  p.batch = int(plan.shape.batch), p.heads = int(heads), p.rows = int(shard_len);
-  p.acc_rows = int(shard_len), p.dv = int(out.shape[3]);
-  merge(kMergeStore, p, plan.shape.batch * heads * shard_len, stream);
+  p.batch = int(plan.shape.batch), p.heads = int(heads), p.rows = int(rows);
+  p.acc_rows = int(rows), p.dv = int(out.shape[3]);
+  p.lse_rows = int(shard_len), p.row0 = int(lse_row0);
+  merge(kMergeStore, p, plan.shape.batch * heads * rows, stream);
 }
 
 RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& shape,
@@ -464,14 +465,12 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
     m.load_combine();
     const int64_t kv_rows = shape.batch * shape.kv_heads * m.shard_len;
     const int64_t q_rows = shape.batch * shape.q_heads * m.shard_len;
-    const int64_t part_rows = shape.batch * shape.q_heads * m.plan.chunk_len;
     const size_t elem = dtype_size(shape.dtype);
     m.k_bytes = size_t(kv_rows * shape.head_dim) * elem;
     m.v_bytes = size_t(kv_rows * m.dv) * elem;
     for (DeviceBuffer& slot : m.slots) slot = DeviceBuffer(m.k_bytes + m.v_bytes);
     m.grad_bytes = size_t(kv_rows * (shape.head_dim + m.dv)) * sizeof(float);
     m.acc = DeviceBuffer(size_t(q_rows * (m.dv + 1)) * sizeof(float));
-    m.part = DeviceBuffer(size_t(part_rows * (m.dv + 1)) * sizeof(float));
   });
   m.plan_opts.captures.clear();  // host pointers, valid during construction only
   m.check_same_everywhere(shape, ok, local_error);
@@ -503,8 +502,6 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
   jit::check(d.cuMemsetD32Async(reinterpret_cast<CUdeviceptr>(acc_lse), 0xff800000u,
                                 size_t(B * Hq * L), compute),
              "clearing ring attention's accumulators");  // -inf: no key seen yet
-  auto* part_out = static_cast<float*>(m.part.get());
-  float* part_lse = part_out + B * Hq * C * m.dv;
 
   m.stats = {};
   bool communicated = false;
@@ -515,17 +512,14 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
     sync.computed.record(compute);
     for (const Impl::Block& b : m.steps[t]) {
       if (!m.computes(b, t)) continue;
+      // The block merges itself into its query chunk's accumulators (AttentionOptions::
+      // accumulate): unrounded, with no buffer for it.
       AttentionOptions ao = m.block_options<AttentionOptions>(b, opts, compute);
-      ao.lse = TensorView{part_lse, DType::F32, {B, Hq, C}, {}};
-      const TensorView part{part_out, DType::F32, {B, Hq, C, m.dv}, {}};
+      ao.accumulate = true;
+      ao.lse = TensorView{acc_lse + b.q_chunk * B * Hq * C, DType::F32, {B, Hq, C}, {}};
+      const TensorView into{acc + b.q_chunk * B * Hq * C * m.dv, DType::F32, {B, Hq, C, m.dv}, {}};
       attention(rows_of(q, b.q_chunk * C, C), rows_of(held_k, b.kv_chunk * C, C),
-                rows_of(held_v, b.kv_chunk * C, C), part, m.variant, ao);
-      FlexcMergeParams p{};
-      p.part = part_out, p.part_lse = part_lse, p.acc = acc, p.acc_lse = acc_lse;
-      for (int i = 0; i < 3; ++i) p.part_stride[i] = part.stride(i);
-      p.batch = int(B), p.heads = int(Hq), p.rows = int(C), p.acc_rows = int(L);
-      p.row0 = int(b.q_chunk * C), p.dv = int(m.dv);
-      m.merge(Impl::kMerge, p, B * Hq * C, compute);
+                rows_of(held_v, b.kv_chunk * C, C), into, m.variant, ao);
     }
     // Pass the shard on (and receive the next) while its blocks run. Enqueued after them: their
     // first call loads kernels, which must not wait behind a send in flight.
@@ -533,8 +527,9 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
   }
   // The caller's later work on its stream (overwriting k and v, say) waits for the sends.
   if (communicated) sync.finished.order(comm, compute);
-  m.store(acc, acc_lse, out, opts.lse ? static_cast<float*>(opts.lse->data) : nullptr, Hq,
-          compute);
+  for (int64_t a = 0; a < m.per_rank; ++a)
+    m.store(acc + a * B * Hq * C * m.dv, acc_lse + a * B * Hq * C, rows_of(out, a * C, C),
+            opts.lse ? static_cast<float*>(opts.lse->data) : nullptr, Hq, C, a * C, compute);
 }
 
 void RingAttention::backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -705,9 +700,9 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
     const TensorView whole{w.returned.get(), DType::F32, {1, 1, 2 * kv_rows, D}, {}};
     m.accumulate(whole, home, 1, 2 * kv_rows, 2 * kv_rows, 0, D, compute);
   }
-  m.store(dq_acc, nullptr, grads.dq, nullptr, Hq, compute);
-  m.store(home, nullptr, grads.dk, nullptr, Hkv, compute);
-  m.store(home + kv_rows * D, nullptr, grads.dv, nullptr, Hkv, compute);
+  m.store(dq_acc, nullptr, grads.dq, nullptr, Hq, L, 0, compute);
+  m.store(home, nullptr, grads.dk, nullptr, Hkv, L, 0, compute);
+  m.store(home + kv_rows * D, nullptr, grads.dv, nullptr, Hkv, L, 0, compute);
 }
 
 }  // namespace flexc
