@@ -517,7 +517,8 @@ void RingAttention::forward(const TensorView& q, const TensorView& k, const Tens
       AttentionOptions ao = m.block_options<AttentionOptions>(b, opts, compute);
       ao.accumulate = true;
       ao.lse = TensorView{acc_lse + b.q_chunk * B * Hq * C, DType::F32, {B, Hq, C}, {}};
-      const TensorView into{acc + b.q_chunk * B * Hq * C * m.dv, DType::F32, {B, Hq, C, m.dv}, {}};
+      const TensorView into{acc + b.q_chunk * B * Hq * C * m.dv, DType::F32, {B, Hq, C, m.dv},
+                            {}};
       attention(rows_of(q, b.q_chunk * C, C), rows_of(held_k, b.kv_chunk * C, C),
                 rows_of(held_v, b.kv_chunk * C, C), into, m.variant, ao);
     }
