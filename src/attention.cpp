@@ -204,36 +204,36 @@ int v_head_dim(const KernelConfig& cfg) { return cfg.v_head_dim ? cfg.v_head_dim
 KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
   const detail::TileConfig c = detail::fwd_config(cfg.head_dim, v_head_dim(cfg));
   check_dtype("attention_fwd", cfg);
-  return {"attention_fwd.cuh",
-          "flexc_attention_fwd",
-          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
-           {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
-           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
-           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
-           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_WARPS", std::to_string(c.threads / 32)},
-           {"FLEXC_STAGES", std::to_string(c.stages)},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
-          cfg.arch};
+  KernelSpec spec{"attention_fwd.cuh",
+                  "flexc_attention_fwd",
+                  {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+                   {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
+                   {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+                   {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+                   {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+                   {"FLEXC_WARPS", std::to_string(c.threads / 32)},
+                   {"FLEXC_STAGES", std::to_string(c.stages)}},
+                  cfg.arch};
+  add_build_defines(cfg, spec.defines);
+  return spec;
 }
 
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
   const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m);
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
-  return {"attention_fwd_sm90.cuh",
-          "flexc_attention_fwd_sm90",
-          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
-           {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
-           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
-           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
-           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_STAGES", std::to_string(c.stages)},
-           {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
-          "sm_90a"};
+  KernelSpec spec{"attention_fwd_sm90.cuh",
+                  "flexc_attention_fwd_sm90",
+                  {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+                   {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
+                   {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+                   {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+                   {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+                   {"FLEXC_STAGES", std::to_string(c.stages)},
+                   {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"}},
+                  "sm_90a"};
+  add_build_defines(cfg, spec.defines);
+  return spec;
 }
 
 }  // namespace jit

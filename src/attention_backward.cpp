@@ -72,17 +72,17 @@ KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config(cfg.head_dim);
   check_dtype("attention_bwd", cfg);
   check_one_head_dim("attention_bwd", cfg);
-  return {"attention_bwd.cuh",
-          "flexc_attention_bwd",
-          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
-           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
-           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
-           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_WARPS", std::to_string(c.threads / 32)},
-           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
-          cfg.arch};
+  KernelSpec spec{"attention_bwd.cuh",
+                  "flexc_attention_bwd",
+                  {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+                   {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+                   {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+                   {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+                   {"FLEXC_WARPS", std::to_string(c.threads / 32)},
+                   {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"}},
+                  cfg.arch};
+  add_build_defines(cfg, spec.defines);
+  return spec;
 }
 
 KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
@@ -90,16 +90,16 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
   check_dtype("attention_bwd_sm90", cfg);
   check_sm90_arch("attention_bwd_sm90", cfg);
   check_one_head_dim("attention_bwd_sm90", cfg);
-  return {"attention_bwd_sm90.cuh",
-          "flexc_attention_bwd_sm90",
-          {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
-           {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
-           {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
-           {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-           {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"},
-           {"FLEXC_POSITIONS", cfg.positions ? "1" : "0"},
-           {"FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0"}},
-          "sm_90a"};
+  KernelSpec spec{"attention_bwd_sm90.cuh",
+                  "flexc_attention_bwd_sm90",
+                  {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+                   {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+                   {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+                   {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+                   {"FLEXC_DETERMINISTIC", deterministic ? "1" : "0"}},
+                  "sm_90a"};
+  add_build_defines(cfg, spec.defines);
+  return spec;
 }
 
 }  // namespace

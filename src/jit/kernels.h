@@ -52,4 +52,10 @@ std::vector<const KnownKernel*> kernels_for_arch(std::string_view arch);
 KernelSpec mods_eval_spec(const KernelConfig& cfg);
 KernelSpec blockmask_classify_spec(const KernelConfig& cfg);
 
+// The attention kernels' builds (forward and backward alike, templates/attention_tile.cuh):
+// FLEXC_POSITIONS (cfg.positions) and FLEXC_F32_OUT (0: outputs in the input type; 1: float32,
+// cfg.f32_out; 2: float32 added / merged into, cfg.accumulate), appended to `defines`.
+void add_build_defines(const KernelConfig& cfg,
+                       std::vector<std::pair<std::string, std::string>>& defines);
+
 }  // namespace flexc::jit
