@@ -262,19 +262,17 @@ class Jit {
   const Kernel& load(CUcontext ctx, const std::string& fast_id, const Prepared& p,
                      const Obtained& got) {
     const std::string id = fmt::format("{}|{}|{}", static_cast<void*>(ctx), p.key, p.spec.entry);
-    const Kernel* kernel = nullptr;
+    bool loaded = false;
     {
       std::shared_lock lk(kernels_mu_);
-      if (auto it = modules_.find(id); it != modules_.end()) kernel = it->second.get();
+      loaded = modules_.contains(id);
     }
-    if (!kernel) {
-      std::unique_ptr<Kernel> made = load_module(p, got);
-      std::unique_lock lk(kernels_mu_);
-      // A thread that loaded the same module meanwhile wins; this copy stays loaded, unused
-      // (kept modules are never unloaded, and unloading one could wait for the device too).
-      kernel = modules_.try_emplace(id, std::move(made)).first->second.get();
-    }
+    std::unique_ptr<Kernel> made = loaded ? nullptr : load_module(p, got);
     std::unique_lock lk(kernels_mu_);
+    // A thread that loaded the same module meanwhile wins; this copy stays loaded, unused (kept
+    // modules are never unloaded, and unloading one could wait for the device too).
+    const Kernel* kernel = made ? modules_.try_emplace(id, std::move(made)).first->second.get()
+                                : modules_.at(id).get();
     if (fast_.size() >= kMaxMemo) fast_.clear();
     fast_.insert_or_assign(fast_id, Fast{p.variant, kernel});
     return *kernel;
