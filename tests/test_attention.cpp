@@ -991,13 +991,16 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   const flexc::DeviceBuffer dv = to_device(c, p.v, c.Hkv, c.Lkv, Dv, vv);
   const std::vector<float> poison(c.B * c.Hq * c.Lq * Dv, std::numeric_limits<float>::quiet_NaN());
   const std::vector<int64_t> st = c.strides(c.Hq, c.Lq, Dv);
-  flexc::DeviceBuffer dout = to_device(c, poison, c.Hq, c.Lq, Dv, out);
-  if (c.out_f32) {
+  // The output poisoned: 16-bit in the case's layout, or float32 in the same strides.
+  const auto poisoned_out = [&] {
+    if (!c.out_f32) return to_device(c, poison, c.Hq, c.Lq, Dv, out);
     const std::vector<float> nan(std::max<int64_t>(c.B * st[0], 4), poison.front());
-    dout = flexc::DeviceBuffer(nan.size() * 4);
-    dout.upload(nan.data(), nan.size() * 4);
-    out = TensorView{dout.get(), DType::F32, out.shape, st};
-  }
+    flexc::DeviceBuffer buf(nan.size() * 4);
+    buf.upload(nan.data(), nan.size() * 4);
+    out = TensorView{buf.get(), DType::F32, {c.B, c.Hq, c.Lq, Dv}, st};
+    return buf;
+  };
+  const flexc::DeviceBuffer dout = poisoned_out();
   flexc::DeviceBuffer dlse(std::max<int64_t>(c.B * c.Hq * c.Lq * 4, 16));
   dlse.fill(0xff);
 
