@@ -239,6 +239,10 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   const std::vector<float> q = normal(c.B * c.Hq * c.Lq * c.D, c.dtype),
                            k = normal(c.B * c.Hkv * c.Lkv * c.D, c.dtype),
                            v = normal(k.size(), c.dtype), dout = normal(q.size(), c.dtype);
+  // Captures drawn before the accumulate starts: the same inputs with and without them.
+  std::vector<npy::Array> caps;
+  for (const CaptureSpec& cs : variant.captures())
+    caps.push_back(random_capture(cs, c.B, c.Hq, c.seq_q(), c.seq_kv()));
   // The gradients' buffers start poisoned, or (accumulate) at values the kernel adds to.
   const std::vector<float> start_q = c.accumulate ? normal(q.size(), DType::F32)
                                                 : std::vector<float>(q.size(), std::nanf(""));
@@ -282,12 +286,11 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   fp.seq_q_len = fo.seq_q_len = bmo.seq_q_len = c.seq_q_len;
   fp.seq_kv_len = fo.seq_kv_len = bmo.seq_kv_len = c.seq_kv_len;
   AttentionGrads grads{tdq, tdk, tdv, {}};
-  std::vector<npy::Array> caps;
   std::vector<flexc::DeviceBuffer> dcaps, dgrads;
-  caps.reserve(variant.captures().size());
-  for (const CaptureSpec& cs : variant.captures()) {
-    caps.push_back(random_capture(cs, c.B, c.Hq, c.seq_q(), c.seq_kv()));
-    const npy::Array& a = caps.back();
+  dcaps.reserve(caps.size());
+  for (size_t ci = 0; ci < caps.size(); ++ci) {
+    const CaptureSpec& cs = variant.captures()[ci];
+    const npy::Array& a = caps[ci];
     dcaps.emplace_back(std::max<size_t>(a.bytes.size(), 16));
     dcaps.back().upload(a.bytes.data(), a.bytes.size());
     fo.captures[cs.name] = TensorView{dcaps.back().get(), a.dtype, a.shape, {}};
