@@ -89,6 +89,18 @@ int64_t TensorView::stride(size_t dim) const {
   return s;
 }
 
+TensorView TensorView::narrow(size_t dim, int64_t start, int64_t length) const {
+  if (dim >= shape.size() || start < 0 || length < 0 || start > shape[dim] - length)
+    throw Error(fmt::format("TensorView::narrow: dim {} elements [{}, {} + {}) are outside {}",
+                            dim, start, start, length, describe()));
+  TensorView v = *this;
+  v.strides.clear();
+  for (size_t i = 0; i < shape.size(); ++i) v.strides.push_back(stride(i));
+  v.data = static_cast<char*>(data) + start * stride(dim) * int64_t(dtype_size(dtype));
+  v.shape[dim] = length;
+  return v;
+}
+
 int64_t TensorView::numel() const {
   // A zero dim empties the tensor even where the other dims' product would overflow.
   if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;

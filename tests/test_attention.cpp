@@ -452,6 +452,23 @@ TEST_CASE("TensorView::numel refuses counts past int64", "[tensor]") {
                         Catch::Contains("overflows int64"));
 }
 
+TEST_CASE("TensorView::narrow views a range of one dimension", "[tensor]") {
+  std::vector<float> mem(2 * 3 * 4);
+  const TensorView t = TensorView::contiguous(mem.data(), DType::F32, {2, 3, 4});
+  const TensorView v = t.narrow(1, 1, 2);
+  CHECK(v.data == mem.data() + 4);
+  CHECK(v.shape == std::vector<int64_t>{2, 2, 4});
+  CHECK(v.strides == std::vector<int64_t>{12, 4, 1});
+  // Narrowing a narrowed view keeps its strides.
+  CHECK(v.narrow(2, 3, 1).data == mem.data() + 7);
+  CHECK(v.narrow(2, 3, 1).strides == std::vector<int64_t>{12, 4, 1});
+  CHECK(t.narrow(0, 2, 0).shape[0] == 0);
+  CHECK_THROWS_WITH(t.narrow(1, 2, 2), Catch::Contains("dim 1 elements [2, 2 + 2)") &&
+                                           Catch::Contains("float32 [2, 3, 4]"));
+  CHECK_THROWS_WITH(t.narrow(3, 0, 1), Catch::Contains("dim 3"));
+  CHECK_THROWS(t.narrow(0, -1, 1));
+}
+
 // ---- validation and configuration (CI: everything here fails before any GPU work)
 
 TEST_CASE("flexc::attention names the bad argument", "[attention]") {

@@ -137,15 +137,37 @@ TEST_CASE("the backward's dK / dV travel with their K/V and return to their owne
   };
   for (const auto& c : plans) {
     INFO(c.variant << " over " << c.shape.ranks << " ranks");
-    const RingPlan plan = plan_ring(Variant::from_catalogue(c.variant), c.shape, c.opts);
-    const int64_t n = c.shape.ranks;
-    const int64_t bytes = c.shape.batch * c.shape.kv_heads * (c.shape.seq_len / n) *
-                          (c.shape.head_dim * 2) * 4;
+    const Variant variant = Variant::from_catalogue(c.variant);
+    const RingPlan plan = plan_ring(variant, c.shape, c.opts);
+    const int64_t n = c.shape.ranks, per_rank = plan.chunks[0].size();
+    const int64_t chunk_bytes =
+        c.shape.batch * c.shape.kv_heads * plan.chunk_len * (c.shape.head_dim * 2) * 4;
+    // Whether rank r's queries touch chunk kc (index in shard s) of shard s: from the whole
+    // sequence's BlockMask, tile by tile.
+    BlockMaskOptions bmo;
+    bmo.params = c.opts.params;
+    bmo.device = BuildDevice::Cpu;
+    const BlockMask bm = create_block_mask(variant, c.shape.batch, c.shape.q_heads, c.shape.seq_len,
+                                           c.shape.seq_len, bmo);
+    const int64_t tiles = plan.chunk_len / 128;
+    const auto touches = [&](int64_t r, int64_t s, int64_t kc) {
+      for (int64_t qc : plan.chunks[r])
+        for (int64_t b = 0; b < c.shape.batch; ++b)
+          for (int64_t h = 0; h < c.shape.q_heads; ++h)
+            for (int64_t qt = qc * tiles; qt < (qc + 1) * tiles; ++qt)
+              for (int64_t kt = plan.chunks[s][kc] * tiles; kt < (plan.chunks[s][kc] + 1) * tiles;
+                   ++kt)
+                if (bm.tile(b, h, qt, kt) != TileKind::Empty) return true;
+      return false;
+    };
     std::vector<int64_t> returns(n, 0);
     std::vector<bool> holds(n, true);
+    // By rank: the chunks of the dK / dV copy it holds that some holder touched.
+    std::vector<std::vector<bool>> live(n, std::vector<bool>(per_rank, false));
     for (int64_t t = 0; t < n; ++t) {
       const RingStep& step = plan.steps[t];
-      int64_t sends = 0;
+      int64_t sends = 0, chunks_sent = 0;
+      std::vector<std::vector<bool>> next_live(n, std::vector<bool>(per_rank, false));
       for (int64_t r = 0; r < n; ++r) {
         const int64_t shard = (r - t + n) % n, to = step.grad_to[r];
         if (t == 0 || !holds[r]) {
@@ -153,22 +175,46 @@ TEST_CASE("the backward's dK / dV travel with their K/V and return to their owne
           CHECK((!step.blocks[r].computes() || t == 0));
           continue;
         }
-        ++sends;
+        // Chunks sent: those touched so far; the last block's chunk (the highest this rank
+        // touches: its blocks run K/V chunk by K/V chunk) last, after grad_early others.
+        int64_t last = -1;
+        for (int64_t kc = 0; kc < per_rank; ++kc)
+          if (touches(r, shard, kc)) live[r][kc] = true, last = kc;
+        std::vector<int64_t> want;
+        for (int64_t kc = 0; kc < per_rank; ++kc)
+          if (live[r][kc] && kc != last) want.push_back(kc);
+        CHECK(step.grad_early[r] == int64_t(want.size()));
+        if (last >= 0) want.push_back(last);
+        CHECK(step.grad_chunks[r] == want);
+        if (want.empty()) {
+          CHECK(to == -1);
+          continue;
+        }
+        ++sends, chunks_sent += int64_t(want.size());
         if (step.passes[r]) {
           CHECK(to == (r + 1) % n);
+          next_live[(r + 1) % n] = live[r];
         } else {
           CHECK(to == shard);
           ++returns[shard];
         }
       }
       CHECK(step.grad_sends == sends);
-      CHECK(step.grad_bytes_sent == sends * bytes);
+      CHECK(step.grad_bytes_sent == chunks_sent * chunk_bytes);
+      live = next_live;
       std::vector<bool> next(n, false);
       for (int64_t r = 0; r < n; ++r) next[(r + 1) % n] = holds[r] && step.passes[r];
       holds = next;
     }
-    for (int64_t s = 0; s < n; ++s) CHECK(returns[s] == (plan.steps[0].passes[s] ? 1 : 0));
+    for (int64_t s = 0; s < n; ++s) CHECK(returns[s] <= (plan.steps[0].passes[s] ? 1 : 0));
   }
+  // Causal zigzag over 2 ranks, step 1: rank 0 (queries 0, 3) touches both of rank 1's chunks
+  // (1, 2) from query chunk 3 and sends chunk 1 while chunk 2's block runs; rank 1 (queries 1,
+  // 2) touches rank 0's chunk 0 only, and sends it alone.
+  const RingPlan zz =
+      plan_ring(Variant::from_catalogue("causal"), {.ranks = 2, .seq_len = 4 * 256});
+  CHECK(zz.steps[1].grad_chunks == std::vector<std::vector<int64_t>>{{0, 1}, {0}});
+  CHECK(zz.steps[1].grad_early == std::vector<int64_t>{1, 0});
   // Contiguous causal over 2 ranks: rank 0's shard visits rank 1 and comes back; rank 1's
   // stays (rank 0 needs none of its keys).
   const RingPlan two = plan_ring(Variant::from_catalogue("causal"),

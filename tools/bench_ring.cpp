@@ -10,13 +10,15 @@
 // Per case: the single GPU's time on the whole sequence (device 0, flexc::attention with the
 // whole BlockMask; and attention_backward), the ring's time per call (every rank a thread driving
 // its GPU, as `flexc run --ranks` does; per repetition the slowest rank's CUDA-event time from a
-// common start, median of --reps after 2 warm-ups), ideal = single / ranks, and efficiency =
-// ideal / ring. TFLOP/s: 4 * B * H * S * S * D * density over the time (3.5 times that with
-// --backward, the backward counting 2.5 times the forward as the peers do; the ring's: the whole
-// sequence's FLOPs, all GPUs).
+// common start, median of --reps after 2 warm-ups), ideal = single / ranks, efficiency =
+// ideal / ring, and the busiest rank's blocks alone on one GPU (time_blocks: the ring's compute
+// without its communication). TFLOP/s: 4 * B * H * S * S * D * density over the time (3.5 times
+// that with --backward, the backward counting 2.5 times the forward as the peers do; the ring's:
+// the whole sequence's FLOPs, all GPUs).
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <cstdio>
@@ -100,6 +102,96 @@ double time_single(const Variant& v, const RingPlanOptions& popts, int64_t S, in
     attention(t.q(), t.k(), t.v(), t.out(), v, ao);
     if (backward)
       attention_backward(t.q(), t.k(), t.v(), t.out(), t.lse, t.dout(), t.grads(), v, bo);
+    timer.stop(stream.get());
+    if (r >= kWarmups) ms.push_back(timer.elapsed_ms());
+  }
+  return median(ms);
+}
+
+// The busiest rank's blocks (plan_ring's schedule: per step its (query chunk, K/V chunk) pairs
+// with their BlockMasks at global positions, K/V chunk by K/V chunk, as RingAttention runs them)
+// one after another on device 0, without the ring: adding into float32 accumulators as the ring's
+// blocks do (the same K/V stand in for every step's shard). The ring's compute alone: ring ms
+// minus this is what communication and waiting cost, this minus ideal what cutting the work into
+// blocks costs.
+double time_blocks(const Variant& v, const RingPlan& plan, const RingPlanOptions& popts, int reps,
+                   bool backward) {
+  use_device(0);
+  const RingShape& s = plan.shape;
+  const int64_t n = s.ranks, C = plan.chunk_len, L = s.seq_len / n;
+  const int64_t rank =
+      std::max_element(plan.rank_tiles.begin(), plan.rank_tiles.end()) - plan.rank_tiles.begin();
+  const int64_t per_rank = int64_t(plan.chunks[rank].size());
+  Tensors t(L);
+  const Stream stream;
+  // float32: the output (chunk by chunk) and its LSE; dq of the shard; dk, dv of a chunk.
+  DeviceBuffer acc(size_t(kHeads * L * (kHeadDim + 1)) * 4), dq(size_t(kHeads * L * kHeadDim) * 4),
+      dkv(size_t(2 * kHeads * C * kHeadDim) * 4);
+  float* acc_out = static_cast<float*>(acc.get());
+  float* acc_lse = acc_out + kHeads * L * kHeadDim;
+  const auto rows = [](const TensorView& x, int64_t r0, int64_t len) {
+    return x.narrow(2, r0, len);
+  };
+  struct Block {
+    int64_t a, c, q_offset, kv_offset;
+    std::optional<BlockMask> mask;
+  };
+  std::vector<Block> blocks;
+  for (int64_t step = 0; step < n; ++step) {
+    const int64_t src = (rank - step + n) % n;
+    for (int64_t c = 0; c < per_rank; ++c)
+      for (int64_t a = 0; a < per_rank; ++a) {
+        Block b{a, c, plan.chunks[rank][a] * C, plan.chunks[src][c] * C, std::nullopt};
+        if (!v.mask_always_true()) {
+          BlockMaskOptions bmo;
+          bmo.params = popts.params;
+          bmo.q_offset = b.q_offset, bmo.kv_offset = b.kv_offset;
+          bmo.seq_q_len = bmo.seq_kv_len = s.seq_len;
+          b.mask.emplace(create_block_mask(v, 1, kHeads, C, C, bmo, stream.get()));
+          if (b.mask->count(TileKind::Full) + b.mask->count(TileKind::Partial) == 0) continue;
+        }
+        blocks.push_back(std::move(b));
+      }
+  }
+  std::vector<double> ms;
+  for (int r = 0; r < reps + kWarmups; ++r) {
+    EventTimer timer;
+    timer.start(stream.get());
+    // A block's options (AttentionOptions or BackwardOptions), as the ring sets them.
+    const auto options = [&]<class Options>(const Block& b, Options o) {
+      o.params = popts.params;
+      o.stream = stream.get();
+      o.block_mask = b.mask ? &*b.mask : nullptr;
+      o.q_offset = b.q_offset, o.kv_offset = b.kv_offset;
+      o.seq_q_len = o.seq_kv_len = s.seq_len;
+      o.accumulate = true;
+      return o;
+    };
+    const auto lse_of = [&](const Block& b) {
+      return TensorView{acc_lse + b.a * kHeads * C, DType::F32, {1, kHeads, C}, {}};
+    };
+    for (const Block& b : blocks) {
+      AttentionOptions ao = options(b, AttentionOptions{});
+      ao.lse = lse_of(b);
+      attention(
+          rows(t.q(), b.a * C, C), rows(t.k(), b.c * C, C), rows(t.v(), b.c * C, C),
+          TensorView{
+              acc_out + b.a * kHeads * C * kHeadDim, DType::F32, {1, kHeads, C, kHeadDim}, {}},
+          v, ao);
+    }
+    if (backward)
+      for (const Block& b : blocks) {
+        float* dk = static_cast<float*>(dkv.get());
+        const std::vector<int64_t> chunk{1, kHeads, C, kHeadDim};
+        const AttentionGrads g{
+            rows(TensorView{dq.get(), DType::F32, {1, kHeads, L, kHeadDim}, {}}, b.a * C, C),
+            TensorView{dk, DType::F32, chunk, {}},
+            TensorView{dk + kHeads * C * kHeadDim, DType::F32, chunk, {}},
+            {}};
+        attention_backward(rows(t.q(), b.a * C, C), rows(t.k(), b.c * C, C),
+                           rows(t.v(), b.c * C, C), rows(t.out(), b.a * C, C), lse_of(b),
+                           rows(t.dout(), b.a * C, C), g, v, options(b, BackwardOptions{}));
+      }
     timer.stop(stream.get());
     if (r >= kWarmups) ms.push_back(timer.elapsed_ms());
   }
@@ -193,8 +285,9 @@ int main(int argc, char** argv) {
                                   {"sliding_window", Sharding::Contiguous}};
     fmt::print(
         "| case | pass | sharding | S | ranks | density | blocks computed / skipped (rank 0) | "
-        "single ms | ring ms | ideal ms | efficiency | single TFLOP/s | ring TFLOP/s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        "single ms | ring ms | ideal ms | blocks alone ms | efficiency | single TFLOP/s | ring "
+        "TFLOP/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (const Case& c : cases) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       const Variant v = Variant::from_catalogue(c.name);
@@ -216,21 +309,23 @@ int main(int argc, char** argv) {
                              double(S) * kHeadDim * density;
         const double single = time_single(v, popts, S, reps, backward);
         const RingResult ring = time_ring(v, shape, popts, reps, backward);
+        const double blocks = time_blocks(v, plan, popts, reps, backward);
         const double ideal = single / ranks;
         const char* sharding = c.sharding == Sharding::Zigzag ? "zigzag" : "contiguous";
         const char* pass = backward ? "fwd+bwd" : "fwd";
         fmt::print(
-            "| {} | {} | {} | {} | {} | {:.4f} | {} / {} | {:.2f} | {:.2f} | {:.2f} | {:.1f}% | "
-            "{:.1f} | {:.1f} |\n",
+            "| {} | {} | {} | {} | {} | {:.4f} | {} / {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | "
+            "{:.1f}% | {:.1f} | {:.1f} |\n",
             c.name, pass, sharding, S, ranks, density, ring.stats.blocks_computed,
-            ring.stats.blocks_skipped, single, ring.ms, ideal, 100 * ideal / ring.ms,
+            ring.stats.blocks_skipped, single, ring.ms, ideal, blocks, 100 * ideal / ring.ms,
             flops / single * 1e-9, flops / ring.ms * 1e-9);
         if (json)
           fmt::print(
               "{{\"case\": \"{}\", \"pass\": \"{}\", \"sharding\": \"{}\", \"s\": {}, "
               "\"ranks\": {}, \"density\": {:.6f}, \"single_ms\": {:.4f}, \"ring_ms\": {:.4f}, "
-              "\"efficiency\": {:.4f}}}\n",
-              c.name, pass, sharding, S, ranks, density, single, ring.ms, ideal / ring.ms);
+              "\"blocks_ms\": {:.4f}, \"efficiency\": {:.4f}}}\n",
+              c.name, pass, sharding, S, ranks, density, single, ring.ms, blocks,
+              ideal / ring.ms);
         std::fflush(stdout);
       }
     }

@@ -67,8 +67,14 @@ struct RingStep {
   // add into it there); from step 1 on, the ranks its K/V visits add theirs into a travelling
   // copy, passed on with the K/V, and the last one returns it to the owner. By rank: where its
   // travelling copy goes after this step (rank r + 1, or the owner), -1 for nowhere; and the
-  // count and bytes of those sends.
+  // count and bytes of those sends. A copy carries only its chunks (RingPlan::chunks of the
+  // shard, by index: 0, or 0 and 1 zigzag) that some holder's blocks touched so far: by rank,
+  // `grad_chunks` lists them, those whose blocks ended before the rank's last block first (its
+  // blocks run K/V chunk by K/V chunk), and the first `grad_early` of them go while that last
+  // block runs. A copy no block touched is not sent (grad_to -1).
   std::vector<int64_t> grad_to;
+  std::vector<std::vector<int64_t>> grad_chunks;
+  std::vector<int64_t> grad_early;
   int64_t grad_sends = 0;
   int64_t grad_bytes_sent = 0;
 };

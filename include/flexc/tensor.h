@@ -37,6 +37,9 @@ struct TensorView {
 
   size_t rank() const { return shape.size(); }
   int64_t stride(size_t dim) const;  // resolves empty strides
+  // Elements [start, start + length) of dimension `dim`, the others whole: the same memory, with
+  // explicit strides (torch.narrow). Throws flexc::Error naming the view when out of range.
+  TensorView narrow(size_t dim, int64_t start, int64_t length) const;
   // Throws flexc::Error naming the tensor's dtype and shape when the count overflows int64.
   int64_t numel() const;
   // "bf16 [2, 8, 1024, 128] strides [1048576, 131072, 128, 1]"

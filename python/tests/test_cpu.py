@@ -112,6 +112,11 @@ def test_ring_plan():
     # (shard 2) goes home, no later rank needs it.
     assert step1.grad_to == [-1, 2, 3, 2]
     assert step1.grad_bytes_sent == step1.grad_sends * 2 * 2 * 256 * 64 * 4
+    # Zigzag over 2 ranks, step 1: rank 0 touches both chunks of rank 1's shard and sends the
+    # first while the second's block runs; rank 1 touches one of rank 0's and sends only it.
+    two = flexc.plan_ring(causal, ranks=2, seq_len=1024).steps[1]
+    assert two.grad_chunks == [[0, 1], [0]] and two.grad_early == [1, 0]
+    assert two.grad_bytes_sent == 3 * 256 * 128 * 2 * 4
     assert "blocks computed 10 of 16" in str(contiguous)
     doc = flexc.Variant.from_catalogue("document")
     ids = np.repeat(np.arange(2, dtype=np.int32), 512)

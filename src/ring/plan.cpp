@@ -83,14 +83,21 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
   const int64_t copies = shape.batch * shape.q_heads / (p.nb * p.nh);
   std::vector<RingBlock> pair(n * n);
   std::vector<double> kept(n * n, 0.0);
+  // Per (query rank, kv rank) and (query chunk, K/V chunk) of their shards: whether it has tiles.
+  const int64_t per_rank = zigzag ? 2 : 1;
+  std::vector<int64_t> index_in_shard(num_chunks);
+  for (int64_t c = 0; c < num_chunks; ++c) index_in_shard[c] = c < n ? 0 : 1;
+  std::vector<bool> chunk_pair(n * n * per_rank * per_rank, false);
   for (int64_t b = 0; b < p.nb; ++b)
     for (int64_t h = 0; h < p.nh; ++h)
       for (int64_t qt = 0; qt < p.nqt; ++qt)
         for (int64_t kt = 0; kt < p.nkt; ++kt) {
           const TileKind kind = bm.tile(b, h, qt, kt);
           if (kind == TileKind::Empty) continue;
-          const int64_t at = owner[qt / tiles_per_chunk] * n + owner[kt / tiles_per_chunk];
+          const int64_t qc = qt / tiles_per_chunk, kc = kt / tiles_per_chunk;
+          const int64_t at = owner[qc] * n + owner[kc];
           (kind == TileKind::Full ? pair[at].full_tiles : pair[at].partial_tiles) += copies;
+          chunk_pair[(at * per_rank + index_in_shard[qc]) * per_rank + index_in_shard[kc]] = true;
           kept[at] += double(copies) * counter.kept(bm, b, h, qt, kt);
         }
   const int64_t shard = shape.seq_len / n;
@@ -105,13 +112,24 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
   const int64_t dv = shape.v_head_dim ? shape.v_head_dim : shape.head_dim;
   const int64_t shard_bytes = shape.batch * shape.kv_heads * shard * (shape.head_dim + dv) *
                               int64_t(dtype_size(shape.dtype));
-  const int64_t grad_bytes = shape.batch * shape.kv_heads * shard * (shape.head_dim + dv) * 4;
+  const int64_t chunk_grad_bytes =
+      shape.batch * shape.kv_heads * plan.chunk_len * (shape.head_dim + dv) * 4;
+  // Whether rank r's blocks against shard s touch the shard's K/V chunk c.
+  const auto touches = [&](int64_t r, int64_t s, int64_t c) {
+    for (int64_t a = 0; a < per_rank; ++a)
+      if (chunk_pair[((r * n + s) * per_rank + a) * per_rank + c]) return true;
+    return false;
+  };
   plan.rank_tiles.assign(n, 0);
   plan.rank_elements.assign(n, 0.0);
   std::vector<bool> holds(n, true);  // by rank: it holds its shard at step t (step 0: its own)
+  // By rank: the chunks of its travelling dK / dV copy that some holder touched (none at step 0).
+  std::vector<std::vector<bool>> live(n, std::vector<bool>(per_rank, false));
   for (int64_t t = 0; t < n; ++t) {
     RingStep step;
     step.grad_to.assign(n, -1);
+    step.grad_chunks.assign(n, {});
+    step.grad_early.assign(n, 0);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t s = (r - t + n) % n;
       const RingBlock& blk = pair[r * n + s];
@@ -133,14 +151,28 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       }
     }
     // The gradient of the shard a rank holds goes on with the K/V, or home where they stop
-    // (the owner keeps step 0's share itself: nothing travels before step 1).
+    // (the owner keeps step 0's share itself: nothing travels before step 1), with the chunks
+    // some holder touched; the chunk of the rank's last block (blocks run K/V chunk by K/V
+    // chunk) last, the others while that block runs.
+    std::vector<std::vector<bool>> next_live(n, std::vector<bool>(per_rank, false));
     for (int64_t r = 0; r < n && t > 0; ++r) {
       if (!holds[r]) continue;
       const int64_t s = (r - t + n) % n;
+      int64_t last = -1;
+      for (int64_t c = 0; c < per_rank; ++c)
+        if (touches(r, s, c)) live[r][c] = true, last = c;
+      std::vector<int64_t>& chunks = step.grad_chunks[r];
+      for (int64_t c = 0; c < per_rank; ++c)
+        if (live[r][c] && c != last) chunks.push_back(c);
+      step.grad_early[r] = int64_t(chunks.size());
+      if (last >= 0) chunks.push_back(last);
+      if (chunks.empty()) continue;
       step.grad_to[r] = step.passes[r] ? (r + 1) % n : s;
+      if (step.passes[r]) next_live[(r + 1) % n] = live[r];
       ++step.grad_sends;
-      step.grad_bytes_sent += grad_bytes;
+      step.grad_bytes_sent += int64_t(chunks.size()) * chunk_grad_bytes;
     }
+    live = std::move(next_live);
     std::vector<bool> next(n, false);
     for (int64_t r = 0; r < n; ++r) next[(r + 1) % n] = holds[r] && step.passes[r];
     holds = std::move(next);

@@ -55,14 +55,8 @@ class Event {
   CUevent e_ = nullptr;
 };
 
-// Rows [r0, r0 + n) of a [B, H, S, d] tensor, as a view with its strides.
-TensorView rows_of(const TensorView& t, int64_t r0, int64_t n) {
-  TensorView v = t;
-  v.data = static_cast<char*>(t.data) + r0 * t.stride(2) * int64_t(dtype_size(t.dtype));
-  v.shape[2] = n;
-  v.strides = {t.stride(0), t.stride(1), t.stride(2), 1};
-  return v;
-}
+// Rows [r0, r0 + n) of a [B, H, S, d] tensor.
+TensorView rows_of(const TensorView& t, int64_t r0, int64_t n) { return t.narrow(2, r0, n); }
 
 // An NCCL group, ended however the scope is left (a group left open would defer every later
 // NCCL call of this thread).
@@ -138,14 +132,15 @@ struct RingAttention::Impl {
   // checked: a bad one is reported before any CUDA work).
   struct Sync {
     Stream comm;
-    Event computed, received, finished, grad_ready, grad_received;
+    Event computed, received, finished, grad_early, grad_ready, grad_received;
     DeviceBuffer gathered;  // the ranks' agreement rounds (made before anything can fail alone)
   };
   std::optional<Sync> sync;
   // The backward's buffers, made by its first call: float32 dq of the shard, dK / dV of this
-  // rank's own shard (`home`: dk [B, Hkv, L, D] then dv), two travelling copies of another
-  // shard's, the own one's returned copy; a block's 16-bit dq, dk, dv and the LSE rows of each
-  // query chunk (zigzag: the shard's rows are two chunks).
+  // rank's own shard (`home`), two travelling copies of another shard's, the own one's returned
+  // copy, each chunk by chunk (chunk c's dk [B, Hkv, C, D] then its dv: one send a chunk); a
+  // block's dK / dV part (one chunk's) and the LSE rows of each query chunk (zigzag: the shard's
+  // rows are two chunks).
   struct Backward {
     DeviceBuffer dq_acc, home, slots[2], returned, lse_parts, dkv_part;
   };
@@ -290,8 +285,9 @@ void RingAttention::Impl::build_blocks() {
   steps.resize(ranks);
   for (int64_t t = 0; t < ranks; ++t) {
     const int64_t src = (rank - t + ranks) % ranks;  // whose shard this rank holds at step t
-    for (int64_t a = 0; a < per_rank; ++a)
-      for (int64_t c = 0; c < per_rank; ++c) {
+    // K/V chunk by K/V chunk: the backward sends a chunk's dK / dV once its blocks are done.
+    for (int64_t c = 0; c < per_rank; ++c)
+      for (int64_t a = 0; a < per_rank; ++a) {
         Block b;
         b.q_chunk = a, b.kv_chunk = c;
         b.q_offset = plan.chunks[rank][a] * chunk, b.kv_offset = plan.chunks[src][c] * chunk;
@@ -540,7 +536,6 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
   const RingShape& s = m.plan.shape;
   const int64_t L = m.shard_len, C = m.plan.chunk_len, B = s.batch, Hq = s.q_heads;
   const int64_t Hkv = s.kv_heads, D = s.head_dim;
-  const int64_t kv_rows = B * Hkv * L;
   const auto check = [&] {
     if (m.dv != D)
       fail(fmt::format("backward: v_head_dim {} differs from head_dim {}; the backward kernels "
@@ -623,15 +618,31 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       chunk_lse[a] = TensorView{to, DType::F32, {B, Hq, C}, {}};
     }
   // Each block adds its dq, dk, dv into the float32 accumulators (BackwardOptions::accumulate):
-  // summed unrounded, rounded once at the end, as on one GPU. From step 2 the held shard's copy
-  // arrives from rank r - 1 after that rank's blocks: the step's first block adds its dk, dv into
-  // a zeroed part instead, added to the copy once it came, so that its compute does not wait.
+  // summed unrounded, rounded once at the end, as on one GPU. The held shard's dK / dV are laid
+  // out chunk by chunk, so that a chunk is one send: chunk c of a copy at `at` holds dk
+  // [B, Hkv, C, D] then dv.
   const TensorView dq_all{dq_acc, DType::F32, {B, Hq, L, D}, {}};
-  const auto kv_all = [&](float* at) { return TensorView{at, DType::F32, {B, Hkv, L, D}, {}}; };
-  float* dk_part = static_cast<float*>(w.dkv_part.get());
-  float* dv_part = dk_part + B * Hkv * C * D;
-  const TensorView dk_part_view{dk_part, DType::F32, {B, Hkv, C, D}, {}},
-      dv_part_view{dv_part, DType::F32, {B, Hkv, C, D}, {}};
+  const int64_t chunk_floats = 2 * B * Hkv * C * D;
+  const size_t chunk_bytes = size_t(chunk_floats) * 4;
+  const auto dk_of = [&](float* at, int64_t c) {
+    return TensorView{at + c * chunk_floats, DType::F32, {B, Hkv, C, D}, {}};
+  };
+  const auto dv_of = [&](float* at, int64_t c) {
+    return TensorView{at + c * chunk_floats + B * Hkv * C * D, DType::F32, {B, Hkv, C, D}, {}};
+  };
+  // A chunk's dk and dv as one [rows, D] float32 matrix, for flexc_grad_accumulate.
+  const auto chunk_rows = [&](float* at) {
+    return TensorView{at, DType::F32, {1, 1, 2 * B * Hkv * C, D}, {}};
+  };
+  float* part = static_cast<float*>(w.dkv_part.get());
+  const nccl::Api& n = *m.nccl;
+  // Where rank x's copy sent to this rank after step t lands: this rank's own shard's returns,
+  // another's is the copy it holds at step t + 1.
+  const auto landing = [&](int64_t x, int64_t t) {
+    return (x - t + m.ranks) % m.ranks == m.rank ? static_cast<float*>(w.returned.get())
+                                                 : static_cast<float*>(w.slots[(t + 1) % 2].get());
+  };
+  std::vector<int64_t> returned_chunks;
 
   m.stats = {};
   bool communicated = false;
@@ -640,15 +651,35 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
     const bool holds = t == 0 || m.recvs[t - 1];
     if (t > 0 && m.recvs[t - 1]) sync.received.wait(compute);
     sync.computed.record(compute);
-    // The held shard's dK / dV: this rank's own at step 0; a fresh travelling copy at step 1
-    // (its owner kept step 0's share); from step 2 the copy received after step t - 1.
+    // The held shard's dK / dV: this rank's own at step 0; from step 1 a travelling copy, with
+    // the chunks earlier holders touched arriving from rank r - 1 (after that rank's blocks) and
+    // the others starting at zero here.
     float* gacc = t == 0 ? home : static_cast<float*>(w.slots[t % 2].get());
-    if (t == 1 && holds)
-      jit::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(gacc), 0, m.grad_bytes, compute),
-                 "clearing a travelling dK / dV");
-    bool arrived = t < 2;
+    std::vector<bool> incoming(size_t(m.per_rank), false);
+    if (t > 1) {
+      const int64_t prev = (m.rank - 1 + m.ranks) % m.ranks;
+      if (m.plan.steps[t - 1].grad_to[prev] == m.rank)
+        for (int64_t c : m.plan.steps[t - 1].grad_chunks[prev]) incoming[c] = true;
+    }
+    if (t > 0 && holds)
+      for (int64_t c = 0; c < m.per_rank; ++c)
+        if (!incoming[c])
+          jit::check(d.cuMemsetD8Async(reinterpret_cast<CUdeviceptr>(gacc + c * chunk_floats), 0,
+                                       chunk_bytes, compute),
+                     "clearing a travelling dK / dV");
+    // While the copy is on its way, the step's first block adds its dk, dv into a zeroed part,
+    // added to the copy once it came, so that its compute does not wait for the transfer.
+    bool arrived = std::find(incoming.begin(), incoming.end(), true) == incoming.end();
+    // The last block's K/V chunk: the copy's other chunks go while it runs (RingStep::
+    // grad_early).
+    int64_t last_chunk = -1;
+    for (const Impl::Block& b : m.steps[t])
+      if (b.computes) last_chunk = b.kv_chunk;
+    bool early_recorded = false;
     for (const Impl::Block& b : m.steps[t]) {
       if (!m.computes(b, t)) continue;
+      if (b.kv_chunk == last_chunk && !early_recorded)
+        sync.grad_early.record(compute), early_recorded = true;
       BackwardOptions bo = m.block_options<BackwardOptions>(b, opts, compute);
       bo.deterministic = opts.deterministic;
       bo.accumulate = true;
@@ -659,51 +690,72 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
                            {rows_of(dq_all, q0, C), dk, dv, grads.captures}, m.variant, bo);
       };
       if (arrived) {
-        block(rows_of(kv_all(gacc), kv0, C), rows_of(kv_all(gacc + kv_rows * D), kv0, C));
+        block(dk_of(gacc, b.kv_chunk), dv_of(gacc, b.kv_chunk));
         continue;
       }
       jit::check(d.cuMemsetD8Async(w.dkv_part.ptr(), 0, w.dkv_part.size(), compute),
                  "clearing a block's dK / dV");
-      block(dk_part_view, dv_part_view);
+      block(dk_of(part, 0), dv_of(part, 0));
       sync.grad_received.wait(compute), arrived = true;
-      m.accumulate(dk_part_view, gacc, Hkv, C, L, kv0, D, compute);
-      m.accumulate(dv_part_view, gacc + kv_rows * D, Hkv, C, L, kv0, D, compute);
+      m.accumulate(chunk_rows(part), gacc + b.kv_chunk * chunk_floats, 1, 2 * B * Hkv * C,
+                   2 * B * Hkv * C, 0, D, compute);
     }
+    if (!early_recorded) sync.grad_early.record(compute);
     communicated |= m.exchange(t, held_k, held_v);
-    // dK / dV on (RingStep::grad_to): the travelling copy once this step's blocks added theirs;
-    // the next step's copy from rank r - 1, this rank's own from its last holder.
+    // dK / dV on (RingStep::grad_to), in two NCCL groups every rank orders alike: the chunks
+    // done before a rank's last block (RingStep::grad_early) while it runs, then the rest.
     const RingStep& step = m.plan.steps[t];
     const int64_t to = step.grad_to[m.rank];
-    std::vector<std::pair<int64_t, float*>> from;
+    std::vector<int64_t> from;
     for (int64_t x = 0; x < m.ranks; ++x)
-      if (step.grad_to[x] == m.rank)
-        from.emplace_back(x, (x - t + m.ranks) % m.ranks == m.rank
-                                 ? static_cast<float*>(w.returned.get())
-                                 : static_cast<float*>(w.slots[(t + 1) % 2].get()));
+      if (step.grad_to[x] == m.rank) from.push_back(x);
     if (to < 0 && from.empty()) continue;
-    sync.grad_ready.order(compute, comm);
-    const nccl::Api& n = *m.nccl;
-    Group group(n);
-    if (to >= 0) {
-      nccl::check(n, n.ncclSend(gacc, m.grad_bytes, nccl::kUint8, int(to), m.comm, comm), kWhat,
-                  "ncclSend (dK, dV)");
-      ++m.stats.grad_sends;
+    for (int phase = 0; phase < 2; ++phase) {
+      const auto part_of = [&](int64_t x) {
+        const std::vector<int64_t>& chunks = step.grad_chunks[x];
+        const int64_t early = step.grad_early[x];
+        return phase == 0 ? std::vector<int64_t>(chunks.begin(), chunks.begin() + early)
+                          : std::vector<int64_t>(chunks.begin() + early, chunks.end());
+      };
+      const std::vector<int64_t> mine = to >= 0 ? part_of(m.rank) : std::vector<int64_t>{};
+      bool receives = false;
+      for (int64_t x : from) receives |= !part_of(x).empty();
+      if (mine.empty() && !receives) continue;
+      if (phase == 0)
+        sync.grad_early.wait(comm);  // recorded before the last chunk's blocks
+      else
+        sync.grad_ready.order(compute, comm);
+      Group group(n);
+      for (int64_t c : mine)
+        nccl::check(
+            n,
+            n.ncclSend(gacc + c * chunk_floats, chunk_bytes, nccl::kUint8, int(to), m.comm, comm),
+            kWhat, "ncclSend (dK, dV)");
+      for (int64_t x : from)
+        for (int64_t c : part_of(x)) {
+          nccl::check(n,
+                      n.ncclRecv(landing(x, t) + c * chunk_floats, chunk_bytes, nccl::kUint8,
+                                 int(x), m.comm, comm),
+                      kWhat, "ncclRecv (dK, dV)");
+          if (landing(x, t) == static_cast<float*>(w.returned.get())) returned_chunks.push_back(c);
+        }
+      group.end();
     }
-    for (const auto& [x, into] : from)
-      nccl::check(n, n.ncclRecv(into, m.grad_bytes, nccl::kUint8, int(x), m.comm, comm), kWhat,
-                  "ncclRecv (dK, dV)");
-    group.end();
+    if (to >= 0) ++m.stats.grad_sends;
     sync.grad_received.record(comm);
     communicated = true;
   }
   if (communicated) sync.finished.order(comm, compute);
-  if (w.returned.size() > 0) {
-    const TensorView whole{w.returned.get(), DType::F32, {1, 1, 2 * kv_rows, D}, {}};
-    m.accumulate(whole, home, 1, 2 * kv_rows, 2 * kv_rows, 0, D, compute);
-  }
+  for (int64_t c : returned_chunks)
+    m.accumulate(chunk_rows(static_cast<float*>(w.returned.get()) + c * chunk_floats),
+                 home + c * chunk_floats, 1, 2 * B * Hkv * C, 2 * B * Hkv * C, 0, D, compute);
   m.store(dq_acc, nullptr, grads.dq, nullptr, Hq, L, 0, compute);
-  m.store(home, nullptr, grads.dk, nullptr, Hkv, L, 0, compute);
-  m.store(home + kv_rows * D, nullptr, grads.dv, nullptr, Hkv, L, 0, compute);
+  for (int64_t c = 0; c < m.per_rank; ++c) {
+    m.store(home + c * chunk_floats, nullptr, rows_of(grads.dk, c * C, C), nullptr, Hkv, C, 0,
+            compute);
+    m.store(home + c * chunk_floats + B * Hkv * C * D, nullptr, rows_of(grads.dv, c * C, C),
+            nullptr, Hkv, C, 0, compute);
+  }
 }
 
 }  // namespace flexc
