@@ -223,6 +223,33 @@ TEST_CASE("the backward's dK / dV travel with their K/V and return to their owne
   CHECK_THAT(to_string(two), Catch::Contains("|     kv 0: 100% | - | 1 x 0.2 MiB"));
 }
 
+TEST_CASE("a shard is passed on with only the rows later blocks read", "[ring]") {
+  // A 200-token window over 2 contiguous shards of 1024: rank 1's queries [1024, 2048) read
+  // keys from 824 on, tiles 6 and 7 of rank 0's shard: rows [768, 1024), a quarter of it.
+  RingPlanOptions window;
+  window.params["window"] = 200;
+  const RingShape shape{.ranks = 2, .seq_len = 2048, .batch = 2, .q_heads = 4, .kv_heads = 2,
+                        .head_dim = 64, .sharding = Sharding::Contiguous};
+  const RingPlan plan = plan_ring(Variant::from_catalogue("sliding_window"), shape, window);
+  using Rows = std::vector<std::pair<int64_t, int64_t>>;
+  CHECK(plan.steps[0].rows_sent == Rows{{768, 1024}, {0, 0}});
+  CHECK(plan.steps[0].bytes_sent == 2 * 2 * 256 * (64 + 64) * 2);
+  CHECK(plan.steps[1].rows_sent == Rows{{0, 0}, {0, 0}});
+  // The backward: rank 1 returns rank 0's dK / dV of those rows only (float32).
+  CHECK(plan.steps[1].grad_to == std::vector<int64_t>{-1, 0});
+  CHECK(plan.steps[1].grad_rows == Rows{{0, 0}, {768, 1024}});
+  CHECK(plan.steps[1].grad_bytes_sent == 2 * 2 * 256 * (64 + 64) * 4);
+  // A 600-token window reads more than half of the shard: it goes whole (one send for K, V).
+  window.params["window"] = 600;
+  const RingPlan wide = plan_ring(Variant::from_catalogue("sliding_window"), shape, window);
+  CHECK(wide.steps[0].rows_sent == Rows{{0, 1024}, {0, 0}});
+  CHECK(wide.steps[1].grad_rows == Rows{{0, 0}, {0, 1024}});
+  // No mask: every row, every shard.
+  const RingPlan noop = plan_ring(Variant::from_catalogue("noop"),
+                                  {.ranks = 4, .seq_len = 4 * 256, .sharding = Sharding::Zigzag});
+  for (int64_t r = 0; r < 4; ++r) CHECK(noop.steps[0].rows_sent[r] == std::make_pair(0L, 256L));
+}
+
 TEST_CASE("shard_rows cuts a rank's chunks out of the whole sequence, unshard_rows puts them back",
           "[ring]") {
   // Two (batch, head) rows of 8 tokens, d = 2: element = 100 * bh + 10 * token + column.

@@ -397,9 +397,11 @@ PYBIND11_MODULE(_flexc, m) {
       .def_readonly("sends", &RingStep::sends)
       .def_readonly("passes", &RingStep::passes)
       .def_readonly("bytes_sent", &RingStep::bytes_sent)
+      .def_readonly("rows_sent", &RingStep::rows_sent)
       .def_readonly("grad_to", &RingStep::grad_to)
       .def_readonly("grad_chunks", &RingStep::grad_chunks)
       .def_readonly("grad_early", &RingStep::grad_early)
+      .def_readonly("grad_rows", &RingStep::grad_rows)
       .def_readonly("grad_sends", &RingStep::grad_sends)
       .def_readonly("grad_bytes_sent", &RingStep::grad_bytes_sent);
   py::class_<RingPlan>(m, "RingPlan")

@@ -2,7 +2,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <numeric>
+#include <utility>
 
 #include "../blockmask_impl.h"
 #include "flexc/error.h"
@@ -12,6 +14,7 @@ namespace flexc {
 namespace {
 
 constexpr const char* kWhat = "plan_ring";
+constexpr int64_t kMaxRowSends = 256;  // (batch, head)s past which a shard is sent whole
 
 void check_shape(const RingShape& s, int64_t tile) {
   const auto positive = [](const char* name, int64_t v) {
@@ -88,6 +91,9 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
   std::vector<int64_t> index_in_shard(num_chunks);
   for (int64_t c = 0; c < num_chunks; ++c) index_in_shard[c] = c < n ? 0 : 1;
   std::vector<bool> chunk_pair(n * n * per_rank * per_rank, false);
+  // Per (query rank, kv rank): the first and one past the last K/V tile (of the kv shard's)
+  // with work.
+  std::vector<std::pair<int64_t, int64_t>> kv_tiles(n * n, {INT64_MAX, 0});
   for (int64_t b = 0; b < p.nb; ++b)
     for (int64_t h = 0; h < p.nh; ++h)
       for (int64_t qt = 0; qt < p.nqt; ++qt)
@@ -98,6 +104,9 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
           const int64_t at = owner[qc] * n + owner[kc];
           (kind == TileKind::Full ? pair[at].full_tiles : pair[at].partial_tiles) += copies;
           chunk_pair[(at * per_rank + index_in_shard[qc]) * per_rank + index_in_shard[kc]] = true;
+          const int64_t local = index_in_shard[kc] * tiles_per_chunk + kt % tiles_per_chunk;
+          kv_tiles[at].first = std::min(kv_tiles[at].first, local);
+          kv_tiles[at].second = std::max(kv_tiles[at].second, local + 1);
           kept[at] += double(copies) * counter.kept(bm, b, h, qt, kt);
         }
   const int64_t shard = shape.seq_len / n;
@@ -125,11 +134,13 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
   std::vector<bool> holds(n, true);  // by rank: it holds its shard at step t (step 0: its own)
   // By rank: the chunks of its travelling dK / dV copy that some holder touched (none at step 0).
   std::vector<std::vector<bool>> live(n, std::vector<bool>(per_rank, false));
+  std::vector<std::pair<int64_t, int64_t>> live_tiles(n, {INT64_MAX, 0});  // and their tiles
   for (int64_t t = 0; t < n; ++t) {
     RingStep step;
     step.grad_to.assign(n, -1);
     step.grad_chunks.assign(n, {});
     step.grad_early.assign(n, 0);
+    step.grad_rows.assign(n, {0, 0});
     for (int64_t r = 0; r < n; ++r) {
       const int64_t s = (r - t + n) % n;
       const RingBlock& blk = pair[r * n + s];
@@ -138,14 +149,26 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       plan.rank_tiles[r] += blk.full_tiles + blk.partial_tiles;
       plan.rank_elements[r] += kept[r * n + s];
       step.passes.push_back(false);
+      step.rows_sent.emplace_back(0, 0);
       if (t + 1 == n) continue;
-      bool needed = false;
-      for (int64_t later = t + 1; later < n && !needed; ++later)
-        needed = pair[((s + later) % n) * n + s].computes();
-      if (needed) {
+      // The tiles of the shard the ranks it still visits read.
+      std::pair<int64_t, int64_t> tiles{INT64_MAX, 0};
+      for (int64_t later = t + 1; later < n; ++later) {
+        const int64_t at = ((s + later) % n) * n + s;
+        if (!pair[at].computes()) continue;
+        tiles.first = std::min(tiles.first, kv_tiles[at].first);
+        tiles.second = std::max(tiles.second, kv_tiles[at].second);
+      }
+      if (tiles.second > 0) {
         step.passes.back() = true;
+        // Rows go as a send per (batch, head): worth it where they are at most half the shard,
+        // for a bounded number of sends in one NCCL group.
+        if (2 * (tiles.second - tiles.first) * opts.tile > shard ||
+            shape.batch * shape.kv_heads > kMaxRowSends)
+          tiles = {0, shard / opts.tile};
+        step.rows_sent.back() = {tiles.first * opts.tile, tiles.second * opts.tile};
         ++step.sends;
-        step.bytes_sent += shard_bytes;
+        step.bytes_sent += shard_bytes / shard * (tiles.second - tiles.first) * opts.tile;
       } else {
         ++plan.skipped_sends;
       }
@@ -155,12 +178,17 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
     // some holder touched; the chunk of the rank's last block (blocks run K/V chunk by K/V
     // chunk) last, the others while that block runs.
     std::vector<std::vector<bool>> next_live(n, std::vector<bool>(per_rank, false));
+    std::vector<std::pair<int64_t, int64_t>> next_tiles(n, {INT64_MAX, 0});
     for (int64_t r = 0; r < n && t > 0; ++r) {
       if (!holds[r]) continue;
       const int64_t s = (r - t + n) % n;
       int64_t last = -1;
       for (int64_t c = 0; c < per_rank; ++c)
         if (touches(r, s, c)) live[r][c] = true, last = c;
+      if (pair[r * n + s].computes()) {
+        live_tiles[r].first = std::min(live_tiles[r].first, kv_tiles[r * n + s].first);
+        live_tiles[r].second = std::max(live_tiles[r].second, kv_tiles[r * n + s].second);
+      }
       std::vector<int64_t>& chunks = step.grad_chunks[r];
       for (int64_t c = 0; c < per_rank; ++c)
         if (live[r][c] && c != last) chunks.push_back(c);
@@ -168,11 +196,27 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       if (last >= 0) chunks.push_back(last);
       if (chunks.empty()) continue;
       step.grad_to[r] = step.passes[r] ? (r + 1) % n : s;
-      if (step.passes[r]) next_live[(r + 1) % n] = live[r];
+      if (step.passes[r]) {
+        next_live[(r + 1) % n] = live[r];
+        next_tiles[(r + 1) % n] = live_tiles[r];
+      }
+      // A return carries the touched rows only (a travelling copy whole chunks).
+      std::pair<int64_t, int64_t> rows{0, shard};
+      const auto [tile0, tile1] = live_tiles[r];
+      if (!step.passes[r] && 2 * (tile1 - tile0) * opts.tile <= shard &&
+          shape.batch * shape.kv_heads <= kMaxRowSends)
+        rows = {tile0 * opts.tile, tile1 * opts.tile};
+      step.grad_rows[r] = rows;
       ++step.grad_sends;
-      step.grad_bytes_sent += int64_t(chunks.size()) * chunk_grad_bytes;
+      for (int64_t c : chunks) {
+        const int64_t c0 = c * plan.chunk_len;
+        const int64_t in_chunk =
+            std::min(rows.second, c0 + plan.chunk_len) - std::max(rows.first, c0);
+        step.grad_bytes_sent += chunk_grad_bytes / plan.chunk_len * std::max<int64_t>(in_chunk, 0);
+      }
     }
     live = std::move(next_live);
+    live_tiles = std::move(next_tiles);
     std::vector<bool> next(n, false);
     for (int64_t r = 0; r < n; ++r) next[(r + 1) % n] = holds[r] && step.passes[r];
     holds = std::move(next);

@@ -371,20 +371,35 @@ bool RingAttention::Impl::exchange(int64_t t, const TensorView& held_k,
   const nccl::Api& n = *nccl;
   char* into = static_cast<char*>(slots[t % 2].get());
   const int next = int((rank + 1) % ranks), prev = int((rank - 1 + ranks) % ranks);
-  // (At step 0 the caller's k and v: two tensors, not one slot.)
+  // The rows later blocks read (RingStep::rows_sent): the whole shard in one send each for K
+  // and V, or those rows of every (batch, head); the slot's other rows are never read (the
+  // kernels load the tiles the BlockMask lists). At step 0 the caller's k and v: two tensors.
+  const RingShape& s = plan.shape;
+  const size_t elem = dtype_size(s.dtype);
+  const auto transfer = [&](bool send, char* k_at, char* v_at, int64_t peer) {
+    const auto [first, last] = plan.steps[t].rows_sent[send ? rank : peer];
+    const auto one = [&](char* at, size_t bytes, const char* what) {
+      nccl::check(n,
+                  send ? n.ncclSend(at, bytes, nccl::kUint8, int(peer), comm, c)
+                       : n.ncclRecv(at, bytes, nccl::kUint8, int(peer), comm, c),
+                  kWhat, what);
+    };
+    if (first == 0 && last == shard_len) {
+      one(k_at, k_bytes, send ? "ncclSend (K)" : "ncclRecv (K)");
+      one(v_at, v_bytes, send ? "ncclSend (V)" : "ncclRecv (V)");
+      return;
+    }
+    for (int64_t bh = 0; bh < s.batch * s.kv_heads; ++bh) {
+      one(k_at + size_t((bh * shard_len + first) * s.head_dim) * elem,
+          size_t((last - first) * s.head_dim) * elem, send ? "ncclSend (K)" : "ncclRecv (K)");
+      one(v_at + size_t((bh * shard_len + first) * dv) * elem,
+          size_t((last - first) * dv) * elem, send ? "ncclSend (V)" : "ncclRecv (V)");
+    }
+  };
   Group group(n);
-  if (sends[t]) {
-    nccl::check(n, n.ncclSend(held_k.data, k_bytes, nccl::kUint8, next, comm, c), kWhat,
-                "ncclSend (K)");
-    nccl::check(n, n.ncclSend(held_v.data, v_bytes, nccl::kUint8, next, comm, c), kWhat,
-                "ncclSend (V)");
-  }
-  if (recvs[t]) {
-    nccl::check(n, n.ncclRecv(into, k_bytes, nccl::kUint8, prev, comm, c), kWhat,
-                "ncclRecv (K)");
-    nccl::check(n, n.ncclRecv(into + k_bytes, v_bytes, nccl::kUint8, prev, comm, c), kWhat,
-                "ncclRecv (V)");
-  }
+  if (sends[t])
+    transfer(true, static_cast<char*>(held_k.data), static_cast<char*>(held_v.data), next);
+  if (recvs[t]) transfer(false, into, into + k_bytes, prev);
   group.end();
   sync->received.record(c);  // the next step's blocks wait for this, not for later groups
   return true;
@@ -642,7 +657,7 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
     return (x - t + m.ranks) % m.ranks == m.rank ? static_cast<float*>(w.returned.get())
                                                  : static_cast<float*>(w.slots[(t + 1) % 2].get());
   };
-  std::vector<int64_t> returned_chunks;
+  std::vector<std::pair<int64_t, std::pair<int64_t, int64_t>>> returned;  // chunk, its rows
 
   m.stats = {};
   bool communicated = false;
@@ -710,6 +725,28 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
     for (int64_t x = 0; x < m.ranks; ++x)
       if (step.grad_to[x] == m.rank) from.push_back(x);
     if (to < 0 && from.empty()) continue;
+    // Rows [r0, r1) of chunk c that rank x's copy carries (RingStep::grad_rows): the whole chunk
+    // in one send, or those rows of its dk and dv for every (batch, head).
+    const auto chunk_span = [&](int64_t x, int64_t c) {
+      const auto [first, last] = step.grad_rows[x];
+      return std::pair<int64_t, int64_t>{std::clamp<int64_t>(first - c * C, 0, C),
+                                         std::clamp<int64_t>(last - c * C, 0, C)};
+    };
+    const auto transfer_chunk = [&](bool send, float* base, int64_t c, int64_t x, int64_t peer) {
+      const auto [r0, r1] = chunk_span(x, c);
+      const auto one = [&](float* at, int64_t floats) {
+        const size_t bytes = size_t(floats) * 4;
+        nccl::check(n,
+                    send ? n.ncclSend(at, bytes, nccl::kUint8, int(peer), m.comm, comm)
+                         : n.ncclRecv(at, bytes, nccl::kUint8, int(peer), m.comm, comm),
+                    kWhat, send ? "ncclSend (dK, dV)" : "ncclRecv (dK, dV)");
+      };
+      float* at = base + c * chunk_floats;
+      if (r0 == 0 && r1 == C) return one(at, chunk_floats);
+      for (int64_t half = 0; half < 2; ++half)  // dk, then dv
+        for (int64_t bh = 0; bh < B * Hkv; ++bh)
+          one(at + half * B * Hkv * C * D + (bh * C + r0) * D, (r1 - r0) * D);
+    };
     for (int phase = 0; phase < 2; ++phase) {
       const auto part_of = [&](int64_t x) {
         const std::vector<int64_t>& chunks = step.grad_chunks[x];
@@ -726,18 +763,12 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
       else
         sync.grad_ready.order(compute, comm);
       Group group(n);
-      for (int64_t c : mine)
-        nccl::check(
-            n,
-            n.ncclSend(gacc + c * chunk_floats, chunk_bytes, nccl::kUint8, int(to), m.comm, comm),
-            kWhat, "ncclSend (dK, dV)");
+      for (int64_t c : mine) transfer_chunk(true, gacc, c, m.rank, to);
       for (int64_t x : from)
         for (int64_t c : part_of(x)) {
-          nccl::check(n,
-                      n.ncclRecv(landing(x, t) + c * chunk_floats, chunk_bytes, nccl::kUint8,
-                                 int(x), m.comm, comm),
-                      kWhat, "ncclRecv (dK, dV)");
-          if (landing(x, t) == static_cast<float*>(w.returned.get())) returned_chunks.push_back(c);
+          transfer_chunk(false, landing(x, t), c, x, x);
+          if (landing(x, t) == static_cast<float*>(w.returned.get()))
+            returned.push_back({c, chunk_span(x, c)});
         }
       group.end();
     }
@@ -746,9 +777,20 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
     communicated = true;
   }
   if (communicated) sync.finished.order(comm, compute);
-  for (int64_t c : returned_chunks)
-    m.accumulate(chunk_rows(static_cast<float*>(w.returned.get()) + c * chunk_floats),
-                 home + c * chunk_floats, 1, 2 * B * Hkv * C, 2 * B * Hkv * C, 0, D, compute);
+  for (const auto& [c, span] : returned) {
+    float* from = static_cast<float*>(w.returned.get()) + c * chunk_floats;
+    const auto [r0, r1] = span;
+    if (r0 == 0 && r1 == C) {
+      m.accumulate(chunk_rows(from), home + c * chunk_floats, 1, 2 * B * Hkv * C,
+                   2 * B * Hkv * C, 0, D, compute);
+      continue;
+    }
+    for (int64_t half = 0; half < 2; ++half) {  // dk, then dv
+      const int64_t off = half * B * Hkv * C * D;
+      m.accumulate(TensorView{from + off, DType::F32, {B, Hkv, C, D}, {}}.narrow(2, r0, r1 - r0),
+                   home + c * chunk_floats + off, Hkv, r1 - r0, C, r0, D, compute);
+    }
+  }
   m.store(dq_acc, nullptr, grads.dq, nullptr, Hq, L, 0, compute);
   for (int64_t c = 0; c < m.per_rank; ++c) {
     m.store(home + c * chunk_floats, nullptr, rows_of(grads.dk, c * C, C), nullptr, Hkv, C, 0,
