@@ -250,6 +250,64 @@ TEST_CASE("a shard is passed on with only the rows later blocks read", "[ring]")
   for (int64_t r = 0; r < 4; ++r) CHECK(noop.steps[0].rows_sent[r] == std::make_pair(0L, 256L));
 }
 
+TEST_CASE("the rows passed on cover every later read, shrinking along the ring", "[ring]") {
+  // For masks and rank counts the 2-GPU tests cannot reach: every rank that computes with a
+  // shard it received has every tile it reads within the rows it received, a rank passes on a
+  // subset of what it got, and every returned dK / dV chunk has rows.
+  RingPlanOptions window;
+  window.params["window"] = 300;
+  const struct {
+    const char* variant;
+    RingPlanOptions opts;
+  } masks[] = {{"causal", {}}, {"sliding_window", window}, {"noop", {}}};
+  for (const auto& m : masks)
+    for (int64_t n : {2, 3, 4, 8})
+      for (Sharding sh : {Sharding::Zigzag, Sharding::Contiguous}) {
+        const int64_t per = sh == Sharding::Zigzag ? 2 : 1, chunk = 1024;
+        const RingShape shape{.ranks = n, .seq_len = n * per * chunk, .sharding = sh};
+        INFO(m.variant << " over " << n << (per == 2 ? " zigzag" : " contiguous"));
+        const Variant v = Variant::from_catalogue(m.variant);
+        const RingPlan plan = plan_ring(v, shape, m.opts);
+        BlockMaskOptions bmo;
+        bmo.params = m.opts.params;
+        bmo.device = BuildDevice::Cpu;
+        const BlockMask bm = create_block_mask(v, 1, 1, shape.seq_len, shape.seq_len, bmo);
+        const int64_t tiles = chunk / 128, L = per * chunk;
+        // The shard-local rows [first, last) of shard s that rank r's queries read.
+        const auto reads = [&](int64_t r, int64_t s) {
+          std::pair<int64_t, int64_t> rows{L, 0};
+          for (int64_t qc : plan.chunks[r])
+            for (int64_t kc = 0; kc < per; ++kc)
+              for (int64_t qt = qc * tiles; qt < (qc + 1) * tiles; ++qt)
+                for (int64_t i = 0; i < tiles; ++i)
+                  if (bm.tile(0, 0, qt, plan.chunks[s][kc] * tiles + i) != TileKind::Empty) {
+                    rows.first = std::min(rows.first, (kc * tiles + i) * 128);
+                    rows.second = std::max(rows.second, (kc * tiles + i + 1) * 128);
+                  }
+          return rows;
+        };
+        for (int64_t t = 1; t < n; ++t)
+          for (int64_t r = 0; r < n; ++r) {
+            const int64_t prev = (r - 1 + n) % n, s = (r - t + n) % n;
+            const RingStep& step = plan.steps[t];
+            if (!plan.steps[t - 1].passes[prev]) continue;  // r holds nothing at step t
+            const auto got = plan.steps[t - 1].rows_sent[prev];
+            const auto need = reads(r, s);
+            if (need.second > 0) {
+              CHECK(got.first <= need.first);
+              CHECK(need.second <= got.second);
+            }
+            if (t + 1 < n && step.passes[r]) {
+              CHECK(got.first <= step.rows_sent[r].first);
+              CHECK(step.rows_sent[r].second <= got.second);
+            }
+            for (int64_t c : step.grad_chunks[r])
+              CHECK(std::min(step.grad_rows[r].second, (c + 1) * chunk) >
+                    std::max(step.grad_rows[r].first, c * chunk));
+          }
+      }
+}
+
 TEST_CASE("shard_rows cuts a rank's chunks out of the whole sequence, unshard_rows puts them back",
           "[ring]") {
   // Two (batch, head) rows of 8 tokens, d = 2: element = 100 * bh + 10 * token + column.

@@ -14,7 +14,9 @@ namespace flexc {
 namespace {
 
 constexpr const char* kWhat = "plan_ring";
-constexpr int64_t kMaxRowSends = 256;  // (batch, head)s past which a shard is sent whole
+// (batch, head)s past which a shard is sent whole: a send of K and of V rows each, and as many
+// receives, in one NCCL group, which NCCL limits to 2048 operations.
+constexpr int64_t kMaxRowSends = 256;
 
 void check_shape(const RingShape& s, int64_t tile) {
   const auto positive = [](const char* name, int64_t v) {

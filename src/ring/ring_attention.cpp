@@ -88,6 +88,11 @@ int64_t fingerprint(const RingPlan& plan) {
     for (bool p : step.passes) mix(p);
     for (const RingBlock& b : step.blocks)
       mix(uint64_t(b.full_tiles)), mix(uint64_t(b.partial_tiles));
+    // The sizes of the sends: ranks disagreeing here would hang in NCCL, not fail.
+    for (const auto& [first, last] : step.rows_sent) mix(uint64_t(first)), mix(uint64_t(last));
+    for (const auto& [first, last] : step.grad_rows) mix(uint64_t(first)), mix(uint64_t(last));
+    for (const std::vector<int64_t>& chunks : step.grad_chunks)
+      for (int64_t c : chunks) mix(uint64_t(c + 1));
   }
   return int64_t(h >> 1);
 }
@@ -479,7 +484,12 @@ RingAttention::RingAttention(const Variant& v, ncclComm* comm, const RingShape& 
     const size_t elem = dtype_size(shape.dtype);
     m.k_bytes = size_t(kv_rows * shape.head_dim) * elem;
     m.v_bytes = size_t(kv_rows * m.dv) * elem;
-    for (DeviceBuffer& slot : m.slots) slot = DeviceBuffer(m.k_bytes + m.v_bytes);
+    // Zeroed once: the rows a shard is passed on without (RingStep::rows_sent) are never read,
+    // and even so hold finite values (zeros, or an earlier shard's).
+    for (DeviceBuffer& slot : m.slots) {
+      slot = DeviceBuffer(m.k_bytes + m.v_bytes);
+      slot.fill(0);
+    }
     m.grad_bytes = size_t(kv_rows * (shape.head_dim + m.dv)) * sizeof(float);
     m.acc = DeviceBuffer(size_t(q_rows * (m.dv + 1)) * sizeof(float));
   });
