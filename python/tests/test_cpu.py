@@ -117,6 +117,12 @@ def test_ring_plan():
     two = flexc.plan_ring(causal, ranks=2, seq_len=1024).steps[1]
     assert two.grad_chunks == [[0, 1], [0]] and two.grad_early == [1, 0]
     assert two.grad_bytes_sent == 3 * 256 * 128 * 2 * 4
+    # A 200-token window over 2 contiguous shards of 1024: rank 0's shard goes on with the rows
+    # rank 1 reads, [768, 1024), and rank 1 returns their dK / dV only.
+    window = flexc.plan_ring(flexc.Variant.from_catalogue("sliding_window"), 2, 2048,
+                             sharding="contiguous", params={"window": 200})
+    assert window.steps[0].rows_sent == [(768, 1024), (0, 0)]
+    assert window.steps[1].grad_rows == [(0, 0), (768, 1024)]
     assert "blocks computed 10 of 16" in str(contiguous)
     doc = flexc.Variant.from_catalogue("document")
     ids = np.repeat(np.arange(2, dtype=np.int32), 512)
