@@ -655,9 +655,11 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
   const auto dv_of = [&](float* at, int64_t c) {
     return TensorView{at + c * chunk_floats + B * Hkv * C * D, DType::F32, {B, Hkv, C, D}, {}};
   };
-  // A chunk's dk and dv as one [rows, D] float32 matrix, for flexc_grad_accumulate.
-  const auto chunk_rows = [&](float* at) {
-    return TensorView{at, DType::F32, {1, 1, 2 * B * Hkv * C, D}, {}};
+  // into += from, a chunk's dk and dv (float32) as one [rows, D] matrix.
+  const auto add_chunk = [&](float* from, float* into) {
+    const int64_t rows = 2 * B * Hkv * C;
+    m.accumulate(TensorView{from, DType::F32, {1, 1, rows, D}, {}}, into, 1, rows, rows, 0, D,
+                 compute);
   };
   float* part = static_cast<float*>(w.dkv_part.get());
   const nccl::Api& n = *m.nccl;
@@ -722,8 +724,7 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
                  "clearing a block's dK / dV");
       block(dk_of(part, 0), dv_of(part, 0));
       sync.grad_received.wait(compute), arrived = true;
-      m.accumulate(chunk_rows(part), gacc + b.kv_chunk * chunk_floats, 1, 2 * B * Hkv * C,
-                   2 * B * Hkv * C, 0, D, compute);
+      add_chunk(part, gacc + b.kv_chunk * chunk_floats);
     }
     if (!early_recorded) sync.grad_early.record(compute);
     communicated |= m.exchange(t, held_k, held_v);
@@ -791,8 +792,7 @@ void RingAttention::backward(const TensorView& q, const TensorView& k, const Ten
     float* from = static_cast<float*>(w.returned.get()) + c * chunk_floats;
     const auto [r0, r1] = span;
     if (r0 == 0 && r1 == C) {
-      m.accumulate(chunk_rows(from), home + c * chunk_floats, 1, 2 * B * Hkv * C,
-                   2 * B * Hkv * C, 0, D, compute);
+      add_chunk(from, home + c * chunk_floats);
       continue;
     }
     for (int64_t half = 0; half < 2; ++half) {  // dk, then dv
