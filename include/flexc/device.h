@@ -56,10 +56,14 @@ class DeviceBuffer {
   size_t size_ = 0;
 };
 
+// How the GPU schedules a stream's kernels against other streams' waiting ones: High's start
+// first (the CUDA driver's greatest priority), as soon as an SM has room.
+enum class StreamPriority { Normal, High };
+
 // A stream of the current context, destroyed with the object.
 class Stream {
  public:
-  Stream();
+  explicit Stream(StreamPriority priority = StreamPriority::Normal);
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;

@@ -204,10 +204,17 @@ void DeviceBuffer::fill(uint8_t byte, CUstream_st* stream) {
 
 // ---- Stream, EventTimer
 
-Stream::Stream() {
+Stream::Stream(StreamPriority priority) {
   const DriverApi& d = driver("creating a CUDA stream");
   current_context();
-  check(d.cuStreamCreate(&s_, CU_STREAM_NON_BLOCKING), "creating a CUDA stream");
+  if (priority == StreamPriority::Normal) {
+    check(d.cuStreamCreate(&s_, CU_STREAM_NON_BLOCKING), "creating a CUDA stream");
+    return;
+  }
+  int least = 0, greatest = 0;  // greatest is the most negative
+  check(d.cuCtxGetStreamPriorityRange(&least, &greatest), "asking the stream priority range");
+  check(d.cuStreamCreateWithPriority(&s_, CU_STREAM_NON_BLOCKING, greatest),
+        "creating a CUDA stream");
 }
 
 Stream::~Stream() {

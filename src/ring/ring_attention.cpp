@@ -134,9 +134,11 @@ struct RingAttention::Impl {
   // C]); rounded once, at the end, as one GPU rounds the whole row's output.
   DeviceBuffer acc;
   // The ring's stream and the events ordering it with the caller's (made once the arguments are
-  // checked: a bad one is reported before any CUDA work).
+  // checked: a bad one is reported before any CUDA work). The stream has the high priority: a
+  // send's kernel, enqueued after its step's blocks, would otherwise start only once their CTAs
+  // have all been scheduled, leaving the send exposed (docs/perf.md, ring version 5).
   struct Sync {
-    Stream comm;
+    Stream comm{StreamPriority::High};
     Event computed, received, finished, grad_early, grad_ready, grad_received;
     DeviceBuffer gathered;  // the ranks' agreement rounds (made before anything can fail alone)
   };
