@@ -124,6 +124,9 @@ TEST_CASE("the backward's dK / dV travel with their K/V and return to their owne
   // every block computed away from the owner is on that path.
   RingPlanOptions window;
   window.params["window"] = 300;
+  window.send_cost_bytes = 0;  // rows whenever fewer: the sends this test is about
+  RingPlanOptions always;
+  always.send_cost_bytes = 0;
   const struct {
     const char* variant;
     RingShape shape;
@@ -228,9 +231,11 @@ TEST_CASE("a shard is passed on with only the rows later blocks read", "[ring]")
   // keys from 824 on, tiles 6 and 7 of rank 0's shard: rows [768, 1024), a quarter of it.
   RingPlanOptions window;
   window.params["window"] = 200;
+  window.send_cost_bytes = 0;  // rows whenever fewer
   const RingShape shape{.ranks = 2, .seq_len = 2048, .batch = 2, .q_heads = 4, .kv_heads = 2,
                         .head_dim = 64, .sharding = Sharding::Contiguous};
-  const RingPlan plan = plan_ring(Variant::from_catalogue("sliding_window"), shape, window);
+  const Variant sliding = Variant::from_catalogue("sliding_window");
+  const RingPlan plan = plan_ring(sliding, shape, window);
   using Rows = std::vector<std::pair<int64_t, int64_t>>;
   CHECK(plan.steps[0].rows_sent == Rows{{768, 1024}, {0, 0}});
   CHECK(plan.steps[0].bytes_sent == 2 * 2 * 256 * (64 + 64) * 2);
@@ -239,15 +244,45 @@ TEST_CASE("a shard is passed on with only the rows later blocks read", "[ring]")
   CHECK(plan.steps[1].grad_to == std::vector<int64_t>{-1, 0});
   CHECK(plan.steps[1].grad_rows == Rows{{0, 0}, {768, 1024}});
   CHECK(plan.steps[1].grad_bytes_sent == 2 * 2 * 256 * (64 + 64) * 4);
-  // A 600-token window reads more than half of the shard: it goes whole (one send for K, V).
-  window.params["window"] = 600;
-  const RingPlan wide = plan_ring(Variant::from_catalogue("sliding_window"), shape, window);
-  CHECK(wide.steps[0].rows_sent == Rows{{0, 1024}, {0, 0}});
-  CHECK(wide.steps[1].grad_rows == Rows{{0, 0}, {0, 1024}});
+  // At the default send cost the 768 rows left out (192 KiB of a (batch, head)'s K and V) do
+  // not pay for a send per (batch, head): the shard goes whole (one send for K, one for V).
+  window.send_cost_bytes = RingPlanOptions{}.send_cost_bytes;
+  const RingPlan small = plan_ring(sliding, shape, window);
+  CHECK(small.steps[0].rows_sent == Rows{{0, 1024}, {0, 0}});
+  CHECK(small.steps[1].grad_rows == Rows{{0, 0}, {0, 1024}});
+  // Shards of 16384 at D 128: a 2000-token window's rows [14336, 16384) leave out 7 MiB a
+  // (batch, head), which pays; a 9000-token window's rows [7296, 16384) 3.6 MiB of K / V,
+  // which does not, but 7.1 MiB of float32 dK / dV, which does.
+  const RingShape big{.ranks = 2, .seq_len = 32768, .sharding = Sharding::Contiguous};
+  window.params["window"] = 2000;
+  const RingPlan narrow = plan_ring(sliding, big, window);
+  CHECK(narrow.steps[0].rows_sent == Rows{{14336, 16384}, {0, 0}});
+  CHECK(narrow.steps[1].grad_rows == Rows{{0, 0}, {14336, 16384}});
+  window.params["window"] = 9000;
+  const RingPlan wide = plan_ring(sliding, big, window);
+  CHECK(wide.steps[0].rows_sent == Rows{{0, 16384}, {0, 0}});
+  CHECK(wide.steps[1].grad_rows == Rows{{0, 0}, {7296, 16384}});
+  // Causal, zigzag, 4 ranks of 8k tokens: a rank's first chunk alone is read at some steps;
+  // half a shard left out (2 MiB a (batch, head)) does not pay (measured: docs/perf.md).
+  const RingShape causal_shape{.ranks = 4, .seq_len = 32768, .q_heads = 16};
+  const Variant causal = Variant::from_catalogue("causal");
+  for (const RingStep& step : plan_ring(causal, causal_shape).steps)
+    for (const auto& rows : step.rows_sent) CHECK((rows.first == 0 && rows.second % 8192 == 0));
+  RingPlanOptions always;
+  always.send_cost_bytes = 0;
+  bool trimmed = false;
+  for (const RingStep& step : plan_ring(causal, causal_shape, always).steps)
+    for (const auto& rows : step.rows_sent) trimmed |= rows.second - rows.first == 4096;
+  CHECK(trimmed);
   // No mask: every row, every shard.
   const RingPlan noop = plan_ring(Variant::from_catalogue("noop"),
-                                  {.ranks = 4, .seq_len = 4 * 256, .sharding = Sharding::Zigzag});
+                                  {.ranks = 4, .seq_len = 4 * 256, .sharding = Sharding::Zigzag},
+                                  always);
   for (int64_t r = 0; r < 4; ++r) CHECK(noop.steps[0].rows_sent[r] == std::make_pair(0L, 256L));
+  // A negative cost is refused by name.
+  always.send_cost_bytes = -1;
+  CHECK_THROWS_WITH(plan_ring(causal, causal_shape, always),
+                    Catch::Contains("send_cost_bytes must be >= 0"));
 }
 
 TEST_CASE("the rows passed on cover every later read, shrinking along the ring", "[ring]") {
@@ -256,10 +291,13 @@ TEST_CASE("the rows passed on cover every later read, shrinking along the ring",
   // subset of what it got, and every returned dK / dV chunk has rows.
   RingPlanOptions window;
   window.params["window"] = 300;
+  window.send_cost_bytes = 0;  // rows whenever fewer: the sends this test is about
+  RingPlanOptions always;
+  always.send_cost_bytes = 0;
   const struct {
     const char* variant;
     RingPlanOptions opts;
-  } masks[] = {{"causal", {}}, {"sliding_window", window}, {"noop", {}}};
+  } masks[] = {{"causal", always}, {"sliding_window", window}, {"noop", always}};
   for (const auto& m : masks)
     for (int64_t n : {2, 3, 4, 8})
       for (Sharding sh : {Sharding::Zigzag, Sharding::Contiguous}) {

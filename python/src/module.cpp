@@ -420,11 +420,12 @@ PYBIND11_MODULE(_flexc, m) {
       [](const Variant& v, int64_t ranks, int64_t seq_len, const std::string& sharding,
          int64_t batch, int64_t q_heads, std::optional<int64_t> kv_heads, int64_t head_dim,
          const std::string& dtype, int64_t tile, const std::map<std::string, double>& params,
-         const std::map<std::string, py::buffer>& captures) {
+         const std::map<std::string, py::buffer>& captures, int64_t send_cost_bytes) {
         const RingShape s =
             ring_shape(ranks, seq_len, sharding, batch, q_heads, kv_heads, head_dim, 0, dtype);
         RingPlanOptions o;
         o.tile = tile;
+        o.send_cost_bytes = send_cost_bytes;
         for (const auto& [name, value] : params) o.params[name] = value;
         std::vector<py::buffer_info> infos;
         o.captures = mask_captures(v, captures, infos);
@@ -436,6 +437,7 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("head_dim") = 128, py::arg("dtype") = "bf16", py::arg("tile") = 128,
       py::arg("params") = std::map<std::string, double>{},
       py::arg("captures") = std::map<std::string, py::buffer>{},
+      py::arg("send_cost_bytes") = RingPlanOptions{}.send_cost_bytes,
       "Ring attention's schedule for the variant over `ranks` GPUs (docs/ring.md): per step the "
       "K/V shard each rank holds and its block's tiles, the sends still needed, the balance. "
       "str() prints it as `flexc ring-plan` does.");
@@ -455,11 +457,13 @@ PYBIND11_MODULE(_flexc, m) {
                        std::optional<int64_t> kv_heads, int64_t head_dim, int64_t v_head_dim,
                        const std::string& dtype, int64_t tile,
                        const std::map<std::string, double>& params,
-                       const std::map<std::string, py::buffer>& captures) {
+                       const std::map<std::string, py::buffer>& captures,
+                       int64_t send_cost_bytes) {
              const RingShape s = ring_shape(ranks, seq_len, sharding, batch, q_heads, kv_heads,
                                             head_dim, v_head_dim, dtype);
              RingPlanOptions o;
              o.tile = tile;
+             o.send_cost_bytes = send_cost_bytes;
              for (const auto& [name, value] : params) o.params[name] = value;
              std::vector<py::buffer_info> infos;
              o.captures = mask_captures(v, captures, infos);
@@ -472,6 +476,7 @@ PYBIND11_MODULE(_flexc, m) {
            py::arg("v_head_dim") = 0, py::arg("dtype") = "bf16", py::arg("tile") = 128,
            py::arg("params") = std::map<std::string, double>{},
            py::arg("captures") = std::map<std::string, py::buffer>{},
+           py::arg("send_cost_bytes") = RingPlanOptions{}.send_cost_bytes,
            "comm: the ncclComm_t as an int (torch: the process group's backend's _comm_ptr()); "
            "the current CUDA device must be the communicator's. captures: the mask's captures "
            "over the whole sequence, numpy arrays (the BlockMasks are built here).")

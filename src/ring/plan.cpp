@@ -17,8 +17,17 @@ constexpr const char* kWhat = "plan_ring";
 // (batch, head)s past which a shard is sent whole: a send of K and of V rows each, and as many
 // receives, in one NCCL group, which NCCL limits to 2048 operations.
 constexpr int64_t kMaxRowSends = 256;
+// Whether rows [first, last) of a shard of `len` rows go as a send per (batch, head) of each of
+// its two tensors (K and V, or dK and dV) rather than the whole shard in one send each: where
+// the bytes left out pay for the extra sends (RingPlanOptions::send_cost_bytes), and NCCL's
+// group can take them.
+bool rows_pay(int64_t first, int64_t last, int64_t len, int64_t row_bytes, int64_t heads,
+              int64_t send_cost) {
+  return heads <= kMaxRowSends && last - first < len &&
+         (len - (last - first)) * row_bytes > 2 * send_cost;
+}
 
-void check_shape(const RingShape& s, int64_t tile) {
+void check_shape(const RingShape& s, int64_t tile, int64_t send_cost) {
   const auto positive = [](const char* name, int64_t v) {
     if (v < 1) throw Error(fmt::format("{}: {} must be >= 1; got {}", kWhat, name, v));
   };
@@ -31,6 +40,8 @@ void check_shape(const RingShape& s, int64_t tile) {
   if (s.v_head_dim < 0)
     throw Error(fmt::format("{}: v_head_dim must be >= 0; got {}", kWhat, s.v_head_dim));
   positive("tile", tile);
+  if (send_cost < 0)
+    throw Error(fmt::format("{}: send_cost_bytes must be >= 0; got {}", kWhat, send_cost));
   if (s.q_heads % s.kv_heads != 0)
     throw Error(fmt::format("{}: q_heads {} is not a multiple of kv_heads {}", kWhat, s.q_heads,
                             s.kv_heads));
@@ -58,7 +69,7 @@ void check_shape(const RingShape& s, int64_t tile) {
 }  // namespace
 
 RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptions& opts) {
-  check_shape(shape, opts.tile);
+  check_shape(shape, opts.tile, opts.send_cost_bytes);
   const int64_t n = shape.ranks;
   const bool zigzag = shape.sharding == Sharding::Zigzag;
   RingPlan plan;
@@ -125,6 +136,9 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
                               int64_t(dtype_size(shape.dtype));
   const int64_t chunk_grad_bytes =
       shape.batch * shape.kv_heads * plan.chunk_len * (shape.head_dim + dv) * 4;
+  // A row of a (batch, head): its K and V, or its float32 dK and dV.
+  const int64_t row_bytes = (shape.head_dim + dv) * int64_t(dtype_size(shape.dtype));
+  const int64_t grad_row_bytes = (shape.head_dim + dv) * 4;
   // Whether rank r's blocks against shard s touch the shard's K/V chunk c.
   const auto touches = [&](int64_t r, int64_t s, int64_t c) {
     for (int64_t a = 0; a < per_rank; ++a)
@@ -163,10 +177,8 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       }
       if (tiles.second > 0) {
         step.passes.back() = true;
-        // Rows go as a send per (batch, head): worth it where they are at most half the shard,
-        // for a bounded number of sends in one NCCL group.
-        if (2 * (tiles.second - tiles.first) * opts.tile > shard ||
-            shape.batch * shape.kv_heads > kMaxRowSends)
+        if (!rows_pay(tiles.first * opts.tile, tiles.second * opts.tile, shard, row_bytes,
+                      shape.batch * shape.kv_heads, opts.send_cost_bytes))
           tiles = {0, shard / opts.tile};
         step.rows_sent.back() = {tiles.first * opts.tile, tiles.second * opts.tile};
         ++step.sends;
@@ -205,8 +217,8 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       // A return carries the touched rows only (a travelling copy whole chunks).
       std::pair<int64_t, int64_t> rows{0, shard};
       const auto [tile0, tile1] = live_tiles[r];
-      if (!step.passes[r] && 2 * (tile1 - tile0) * opts.tile <= shard &&
-          shape.batch * shape.kv_heads <= kMaxRowSends)
+      if (!step.passes[r] && rows_pay(tile0 * opts.tile, tile1 * opts.tile, shard, grad_row_bytes,
+                                      shape.batch * shape.kv_heads, opts.send_cost_bytes))
         rows = {tile0 * opts.tile, tile1 * opts.tile};
       step.grad_rows[r] = rows;
       ++step.grad_sends;

@@ -19,6 +19,7 @@ namespace {
 struct Options {
   std::string config, sharding = "zigzag", dtype = "bf16";
   int64_t ranks = 0, seq_len = 0, batch = 1, heads = 1, kv_heads = 0, head_dim = 128, tile = 128;
+  int64_t send_cost_bytes = RingPlanOptions{}.send_cost_bytes;
   std::vector<std::string> params, captures;
 };
 
@@ -35,6 +36,7 @@ void run(const Options& o) {
   shape.sharding = o.sharding == "contiguous" ? Sharding::Contiguous : Sharding::Zigzag;
   RingPlanOptions ro;
   ro.tile = o.tile;
+  ro.send_cost_bytes = o.send_cost_bytes;
   for (const auto& [name, value] : assignments(o.params, "--param"))
     ro.params[name] = parse_number(value, "--param " + name);
   const MaskCaptures docs =
@@ -68,6 +70,10 @@ const Register reg("ring-plan", [](CLI::App& app) {
   cmd->add_option("--dtype", o->dtype, "k and v: bf16 or fp16")
       ->check(CLI::IsMember({"bf16", "fp16"}));
   cmd->add_option("--tile", o->tile, "BlockMask tile size (default 128)")->check(int_range(1));
+  cmd->add_option("--send-cost-bytes", o->send_cost_bytes,
+                  "what one more NCCL send costs in bytes of link: rows of a shard go as a send "
+                  "per (batch, head) where that leaves out more (default 2 MiB; 0: always)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--param", o->params, "runtime param value, NAME=VALUE (repeatable)");
   cmd->add_option("--capture", o->captures,
                   "document ids for an int32 capture: NAME=doc:S1,S2,... or NAME=docs:N "
