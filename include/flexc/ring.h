@@ -64,8 +64,9 @@ struct RingStep {
   int64_t bytes_sent = 0;
   std::vector<bool> passes;  // by rank: whether it passes its shard on (rank r + 1 receives it)
   // By rank: the rows [first, second) of the shard passed on (of its S / ranks, chunks in
-  // order), whole tiles, those some later rank's blocks read (a sliding window's last rows);
-  // {0, 0} where nothing is passed.
+  // order), whole tiles, those some later rank's blocks read (a sliding window's last rows)
+  // where that pays (RingPlanOptions::send_cost_bytes), else every row; {0, 0} where nothing is
+  // passed.
   std::vector<std::pair<int64_t, int64_t>> rows_sent;
   // The backward's dK / dV (float32): a shard's gradient starts at its owner (step 0's blocks
   // add into it there); from step 1 on, the ranks its K/V visits add theirs into a travelling
@@ -80,8 +81,9 @@ struct RingStep {
   std::vector<std::vector<int64_t>> grad_chunks;
   std::vector<int64_t> grad_early;
   // By rank: the rows [first, second) of the shard its copy carries within those chunks: where
-  // it returns to the owner, the whole tiles some holder touched when they are at most half the
-  // shard (a sliding window's last rows), else every row; {0, 0} where nothing is sent.
+  // it returns to the owner, the whole tiles some holder touched where that pays
+  // (RingPlanOptions::send_cost_bytes; a sliding window's last rows), else every row; {0, 0}
+  // where nothing is sent.
   std::vector<std::pair<int64_t, int64_t>> grad_rows;
   int64_t grad_sends = 0;
   int64_t grad_bytes_sent = 0;
