@@ -125,8 +125,6 @@ TEST_CASE("the backward's dK / dV travel with their K/V and return to their owne
   RingPlanOptions window;
   window.params["window"] = 300;
   window.send_cost_bytes = 0;  // rows whenever fewer: the sends this test is about
-  RingPlanOptions always;
-  always.send_cost_bytes = 0;
   const struct {
     const char* variant;
     RingShape shape;
