@@ -242,16 +242,24 @@ TEST_CASE("a shard is passed on with only the rows later blocks read", "[ring]")
   CHECK(plan.steps[1].grad_to == std::vector<int64_t>{-1, 0});
   CHECK(plan.steps[1].grad_rows == Rows{{0, 0}, {768, 1024}});
   CHECK(plan.steps[1].grad_bytes_sent == 2 * 2 * 256 * (64 + 64) * 4);
-  // At the default send cost the 768 rows left out (192 KiB of a (batch, head)'s K and V) do
-  // not pay for a send per (batch, head): the shard goes whole (one send for K, one for V).
+  // At the default send cost the 768 rows left out (768 KiB of K and V over the 4 (batch,
+  // head)s) do not pay for 6 more sends: the shard goes whole (one send for K, one for V).
   window.send_cost_bytes = RingPlanOptions{}.send_cost_bytes;
   const RingPlan small = plan_ring(sliding, shape, window);
   CHECK(small.steps[0].rows_sent == Rows{{0, 1024}, {0, 0}});
   CHECK(small.steps[1].grad_rows == Rows{{0, 0}, {0, 1024}});
-  // Shards of 16384 at D 128: a 2000-token window's rows [14336, 16384) leave out 7 MiB a
-  // (batch, head), which pays; a 9000-token window's rows [7296, 16384) 3.6 MiB of K / V,
-  // which does not, but 7.1 MiB of float32 dK / dV, which does.
-  const RingShape big{.ranks = 2, .seq_len = 32768, .sharding = Sharding::Contiguous};
+  // One (batch, head): rows take as many sends as the whole, so they always go as rows; the
+  // returned dK / dV would take two sends instead of one, not worth 768 KiB.
+  const RingPlan one_head = plan_ring(
+      sliding, {.ranks = 2, .seq_len = 2048, .head_dim = 64, .sharding = Sharding::Contiguous},
+      window);
+  CHECK(one_head.steps[0].rows_sent == Rows{{768, 1024}, {0, 0}});
+  CHECK(one_head.steps[1].grad_rows == Rows{{0, 0}, {0, 1024}});
+  // Shards of 16384, 16 heads, D 128: a 2000-token window's rows [14336, 16384) leave out 112
+  // MiB of K / V for 30 more sends, which pays; a 9000-token window's rows [7296, 16384) 57 MiB,
+  // which does not (1.9 MiB a send), but 114 MiB of float32 dK / dV for 31, which does.
+  const RingShape big{.ranks = 2, .seq_len = 32768, .q_heads = 16, .kv_heads = 16,
+                      .sharding = Sharding::Contiguous};
   window.params["window"] = 2000;
   const RingPlan narrow = plan_ring(sliding, big, window);
   CHECK(narrow.steps[0].rows_sent == Rows{{14336, 16384}, {0, 0}});
@@ -260,9 +268,10 @@ TEST_CASE("a shard is passed on with only the rows later blocks read", "[ring]")
   const RingPlan wide = plan_ring(sliding, big, window);
   CHECK(wide.steps[0].rows_sent == Rows{{0, 16384}, {0, 0}});
   CHECK(wide.steps[1].grad_rows == Rows{{0, 0}, {7296, 16384}});
-  // Causal, zigzag, 4 ranks of 8k tokens: a rank's first chunk alone is read at some steps;
-  // half a shard left out (2 MiB a (batch, head)) does not pay (measured: docs/perf.md).
-  const RingShape causal_shape{.ranks = 4, .seq_len = 32768, .q_heads = 16};
+  // Causal, zigzag, 4 ranks of 8k tokens, 16 heads: a rank's first chunk alone is read at some
+  // steps; half a shard left out (32 MiB for 30 more sends) does not pay (measured:
+  // docs/perf.md).
+  const RingShape causal_shape{.ranks = 4, .seq_len = 32768, .q_heads = 16, .kv_heads = 16};
   const Variant causal = Variant::from_catalogue("causal");
   for (const RingStep& step : plan_ring(causal, causal_shape).steps)
     for (const auto& rows : step.rows_sent) CHECK((rows.first == 0 && rows.second % 8192 == 0));
@@ -449,6 +458,9 @@ RingStats check_ring_case(const Variant& v, const RingShape& shape, LocalCommuni
   std::vector<npy::Array> caps;
   caps.reserve(v.captures().size());
   RingPlanOptions popts;
+  // Rows whenever fewer: at these small shapes the default cost sends every shard whole, and
+  // the per-(batch, head) row sends and returns are what needs checking.
+  popts.send_cost_bytes = 0;
   ReferenceBackwardProblem rp;
   ReferenceProblem& fp = rp.forward;
   for (const CaptureSpec& cs : v.captures()) {

@@ -63,7 +63,8 @@ enum class StreamPriority { Normal, High };
 // A stream of the current context, destroyed with the object.
 class Stream {
  public:
-  explicit Stream(StreamPriority priority = StreamPriority::Normal);
+  Stream();
+  explicit Stream(StreamPriority priority);
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;

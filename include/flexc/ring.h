@@ -109,11 +109,12 @@ struct RingPlan {
 struct RingPlanOptions {
   int64_t tile = 128;
   // What one more NCCL send costs, in bytes of the peer link. Where later blocks read only some
-  // rows of a shard (a sliding window), it goes on as a send per (batch, head) of those rows if
-  // the bytes left out exceed the extra sends' cost, else whole; likewise a returning dK / dV
-  // copy. The default, ~8 us of a ~250 GB/s NVLink peer link, is measured (docs/perf.md, ring
-  // version 5: on 4 H100s 32 sends of 1 MiB rows cost more than the 32 MiB they left out). 0:
-  // rows whenever fewer (up to 256 (batch, head)s: NCCL's 2048 operations a group).
+  // rows of a shard (a sliding window), it goes on as a send per (batch, head) of those rows
+  // (of K and of V: 2 (B Hkv - 1) more sends than whole) if the bytes left out exceed that many
+  // times this, else whole; likewise a returning dK / dV chunk (2 B Hkv sends instead of 1). The
+  // default, ~8 us of a ~250 GB/s NVLink peer link, is measured (docs/perf.md, ring version 5:
+  // on 4 H100s 32 sends of 1 MiB rows cost more than the 32 MiB they left out). 0: rows
+  // whenever fewer (up to 256 (batch, head)s: NCCL's 2048 operations a group).
   int64_t send_cost_bytes = int64_t(2) << 20;
   // mask_mod's runtime params and captures, as for create_block_mask (positions index the whole
   // sequence: a Q_LEN or KV_LEN dim is seq_len).

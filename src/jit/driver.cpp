@@ -204,6 +204,8 @@ void DeviceBuffer::fill(uint8_t byte, CUstream_st* stream) {
 
 // ---- Stream, EventTimer
 
+Stream::Stream() : Stream(StreamPriority::Normal) {}
+
 Stream::Stream(StreamPriority priority) {
   const DriverApi& d = driver("creating a CUDA stream");
   current_context();

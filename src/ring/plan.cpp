@@ -17,14 +17,12 @@ constexpr const char* kWhat = "plan_ring";
 // (batch, head)s past which a shard is sent whole: a send of K and of V rows each, and as many
 // receives, in one NCCL group, which NCCL limits to 2048 operations.
 constexpr int64_t kMaxRowSends = 256;
-// Whether rows [first, last) of a shard of `len` rows go as a send per (batch, head) of each of
-// its two tensors (K and V, or dK and dV) rather than the whole shard in one send each: where
-// the bytes left out pay for the extra sends (RingPlanOptions::send_cost_bytes), and NCCL's
-// group can take them.
-bool rows_pay(int64_t first, int64_t last, int64_t len, int64_t row_bytes, int64_t heads,
-              int64_t send_cost) {
-  return heads <= kMaxRowSends && last - first < len &&
-         (len - (last - first)) * row_bytes > 2 * send_cost;
+// Whether rows go as a send per (batch, head) of each of two tensors (K and V; dK and dV of a
+// chunk) rather than whole: where the bytes they leave out (`saved`) pay for the extra sends
+// (`extra`, at RingPlanOptions::send_cost_bytes each), and NCCL's group can take them.
+bool rows_pay(int64_t saved, int64_t extra, int64_t heads, int64_t send_cost) {
+  if (heads > kMaxRowSends || saved <= 0) return false;
+  return extra <= 0 || saved / extra > send_cost;
 }
 
 void check_shape(const RingShape& s, int64_t tile, int64_t send_cost) {
@@ -177,8 +175,10 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       }
       if (tiles.second > 0) {
         step.passes.back() = true;
-        if (!rows_pay(tiles.first * opts.tile, tiles.second * opts.tile, shard, row_bytes,
-                      shape.batch * shape.kv_heads, opts.send_cost_bytes))
+        // Rows instead of the whole shard: 2 x (B Hkv - 1) more sends.
+        const int64_t heads = shape.batch * shape.kv_heads;
+        if (!rows_pay((shard - (tiles.second - tiles.first) * opts.tile) * row_bytes * heads,
+                      2 * (heads - 1), heads, opts.send_cost_bytes))
           tiles = {0, shard / opts.tile};
         step.rows_sent.back() = {tiles.first * opts.tile, tiles.second * opts.tile};
         ++step.sends;
@@ -217,9 +217,22 @@ RingPlan plan_ring(const Variant& v, const RingShape& shape, const RingPlanOptio
       // A return carries the touched rows only (a travelling copy whole chunks).
       std::pair<int64_t, int64_t> rows{0, shard};
       const auto [tile0, tile1] = live_tiles[r];
-      if (!step.passes[r] && rows_pay(tile0 * opts.tile, tile1 * opts.tile, shard, grad_row_bytes,
-                                      shape.batch * shape.kv_heads, opts.send_cost_bytes))
-        rows = {tile0 * opts.tile, tile1 * opts.tile};
+      if (!step.passes[r]) {
+        // A chunk sent in part: the rows outside [tile0, tile1) left out, for 2 B Hkv sends
+        // (dk and dv of each (batch, head)) instead of one.
+        const int64_t heads = shape.batch * shape.kv_heads, r0 = tile0 * opts.tile,
+                      r1 = tile1 * opts.tile;
+        int64_t saved = 0, extra = 0;
+        for (int64_t c : chunks) {
+          const int64_t c0 = c * plan.chunk_len;
+          const int64_t inside =
+              std::max<int64_t>(std::min(r1, c0 + plan.chunk_len) - std::max(r0, c0), 0);
+          if (inside == plan.chunk_len) continue;
+          saved += (plan.chunk_len - inside) * grad_row_bytes * heads;
+          extra += 2 * heads - 1;
+        }
+        if (rows_pay(saved, extra, heads, opts.send_cost_bytes)) rows = {r0, r1};
+      }
       step.grad_rows[r] = rows;
       ++step.grad_sends;
       for (int64_t c : chunks) {

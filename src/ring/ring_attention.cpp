@@ -79,8 +79,8 @@ class Group {
 };
 
 // A fingerprint of the plan's decisions every rank must agree on (which blocks compute, which
-// shards are passed on): they follow from the params and mask captures, which the shape gather
-// cannot see.
+// shards are passed on, which rows): they follow from the params, mask captures and the send
+// cost, which the shape gather cannot see.
 int64_t fingerprint(const RingPlan& plan) {
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](uint64_t x) { h = (h ^ x) * 1099511628211ull; };
@@ -242,9 +242,9 @@ std::vector<int64_t> RingAttention::Impl::gather(const int64_t* mine, size_t n,
 
 void RingAttention::Impl::check_same_everywhere(const RingShape& s, bool ok,
                                                 const std::string& local_error) {
-  const char* names[] = {"status",  "ranks",    "seq_len",  "batch",
-                         "q_heads", "kv_heads", "head_dim", "v_head_dim",
-                         "dtype",   "sharding", "tile",     "plan (its params and mask captures)"};
+  const char* names[] = {"status",   "ranks",      "seq_len", "batch",    "q_heads", "kv_heads",
+                         "head_dim", "v_head_dim", "dtype",   "sharding", "tile",
+                         "plan (params, mask captures, send_cost_bytes)"};
   const int64_t mine[] = {ok,
                           s.ranks,
                           s.seq_len,
@@ -269,7 +269,7 @@ void RingAttention::Impl::check_same_everywhere(const RingShape& s, bool ok,
       if (got[r * kFields + f] != mine[f])
         fail(
             fmt::format("rank {} has {} = {}; this rank ({}) has {}: every rank must construct "
-                        "the ring with the same shape, params and mask captures",
+                        "the ring with the same shape, params, mask captures and send_cost_bytes",
                         r, names[f], got[r * kFields + f], rank, mine[f]));
 }
 

@@ -53,6 +53,7 @@ struct Options {
   std::string seq_lens;
   int ranks = 0;  // ring attention over this many GPUs
   std::string sharding = "zigzag";
+  int64_t send_cost_bytes = RingPlanOptions{}.send_cost_bytes;
 };
 
 // A --kv-lens / --q-offsets list: one value for every batch, or one per batch.
@@ -427,6 +428,7 @@ void run(const Options& o) {
                 .head_dim = D, .v_head_dim = Dv, .dtype = dtype,
                 .sharding = o.sharding == "zigzag" ? Sharding::Zigzag : Sharding::Contiguous};
     ra.params = opts.params;
+    ra.send_cost_bytes = o.send_cost_bytes;
     size_t i = 0;
     for (const auto& entry : captures) ra.captures[entry.first] = &host_caps[i++];
     ra.q = &q, ra.k = &k, ra.v = &v;
@@ -647,6 +649,11 @@ const Register reg("run", [](CLI::App& app) {
                   "with --ranks: zigzag (rank r holds chunks r and 2N-1-r; the default) or "
                   "contiguous")
       ->capture_default_str();
+  cmd->add_option("--send-cost-bytes", o->send_cost_bytes,
+                  "with --ranks: what one more NCCL send costs in bytes of link; a shard's rows go "
+                  "as a send per (batch, head) where that leaves out more (default 2 MiB; 0: "
+                  "whenever fewer rows, which --check then covers)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--page-size", o->page_size,
                   "with --kv-lens: a paged cache of this many keys per page (a power of two), "
                   "through a shuffled page table")

@@ -19,6 +19,7 @@ RingRunResult run_ring(const RingRunArgs& a) {
   const int n = int(s.ranks);
   RingPlanOptions popts;
   popts.params = a.params;
+  popts.send_cost_bytes = a.send_cost_bytes;
   for (const auto& [name, arr] : a.captures)  // host copies: each rank's analysis reads them
     popts.captures[name] = CaptureData{arr->bytes.data(), nullptr, arr->shape, {}};
   RingRunResult r;

@@ -19,6 +19,7 @@ struct RingRunArgs {
   const Variant* variant = nullptr;
   RingShape shape;
   std::map<std::string, double, std::less<>> params;
+  int64_t send_cost_bytes = RingPlanOptions{}.send_cost_bytes;
   std::map<std::string, const npy::Array*> captures;  // whole-sequence host arrays, by name
   const Input *q = nullptr, *k = nullptr, *v = nullptr;  // the whole sequence
   std::optional<double> scale;
