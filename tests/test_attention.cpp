@@ -643,6 +643,14 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK_THAT(err(t({1, 1, rows, 64}), TensorView{k.data, k.dtype, {1, 1, 32, 64}, {}},
                  TensorView{out.data, out.dtype, {1, 1, rows, 64}, {}}, o, &bias_2d),
              Contains("at most 65535 q tiles of 128 rows; Q_LEN 8388481 is more"));
+  // D 64 takes 128-row q tiles instead of 192-row ones under a mask's BlockMask up to KV_LEN
+  // 2048 (then persistent too, below), 192-row ones otherwise.
+  const detail::TileConfig d64 = detail::fwd_config_sm90(64, 64);
+  CHECK(detail::fwd_sm90_short_masked(d64, 2048, false, true));
+  CHECK_FALSE(detail::fwd_sm90_short_masked(d64, 2049, false, true));
+  CHECK_FALSE(detail::fwd_sm90_short_masked(d64, 1024, true, true));
+  CHECK_FALSE(detail::fwd_sm90_short_masked(d64, 1024, false, false));
+  CHECK_FALSE(detail::fwd_sm90_short_masked(detail::fwd_config_sm90(128, 128), 1024, false, true));
   // Short sequences with more work items than SMs take the persistent kernel; long ones, too
   // few items, or D 64's 192-row tiles, a CTA per item.
   const detail::TileConfig d128 = detail::fwd_config_sm90(128, 128);
@@ -1174,6 +1182,11 @@ TEST_CASE("params, lengths and capture contents change without recompiling", "[g
   a.params.clear();
   REQUIRE(run_case(window, w).pass);  // compiles (or loads) the kernels once
   REQUIRE(run_case(alibi, a).pass);
+  // On Hopper a masked D 64 call takes 128-row q tiles up to KV_LEN 2048 and 192-row ones beyond
+  // (two builds): the longer one compiles here too.
+  GpuCase long_w = w;
+  long_w.Lq = 17, long_w.Lkv = 4096;
+  REQUIRE(run_case(window, long_w).pass);
   const uint64_t compiles = jit::cache_counters().compiles;
   auto check = [](const Variant& v, const GpuCase& c) {
     const Accuracy acc = run_case(v, c);
@@ -1341,7 +1354,8 @@ TEST_CASE("the persistent Hopper kernel matches the reference over many work ite
   // SM loops over items, loading the next Q while it stores the last output. Heaviest q tiles
   // first over GQA heads and batches, odd lengths, Q_LEN != KV_LEN, queries at an offset; the
   // staged column loads and relative-term tables across items; items without a single kv tile
-  // (rows below 600 see no key: output 0, LSE -inf) between ones with tiles.
+  // (rows below 600 see no key: output 0, LSE -inf) between ones with tiles. D 64 under a mask
+  // runs persistent on 128-row tiles; without one (noop) on 192-row tiles, a CTA per item.
   const Variant none_below = Variant::from_strings("score", "kv_idx < q_idx - 600", {}, {}, "late");
   const std::vector<CaptureSpec> caps{{"kvb", "float32", {"H", "KV_LEN"}},
                                       {"doc", "int32", {"KV_LEN"}}};
@@ -1350,7 +1364,7 @@ TEST_CASE("the persistent Hopper kernel matches the reference over many work ite
   int i = 0;
   for (const Variant& v : {Variant::from_catalogue("noop"), Variant::from_catalogue("causal"),
                            Variant::from_catalogue("t5_bias"), none_below, doc_cols})
-    for (int64_t d : {96, 128}) {
+    for (int64_t d : {64, 96, 128}) {
       ++i;
       // 192 items (128-row q tiles): more than an H100's 132 SMs.
       check_at_offsets(v, {i % 2 ? DType::BF16 : DType::F16, 3, 8, 2, 1000, 1100, d, false, 0,

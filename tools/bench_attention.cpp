@@ -11,6 +11,7 @@
 // causal_dv128 with q / k head dim 192 and v's 128 (MLA's shapes), 16k tokens per batch, H = 16.
 //
 //   bench_attention [--cases noop,causal,...] [--gallery FILE | --head-dims] [--reps 20]
+//                   [--seqs 1024,2048,4096]  (S of noop and causal; default 1k, 4k, 16k)
 //                   [--dtype bf16|fp16]
 //                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
 //
@@ -65,11 +66,11 @@ struct Case {
 constexpr const char* kRelBias = "score + bias[h, clamp(kv_idx - q_idx, -128, 127) + 128]";
 const std::vector<CaptureSpec> kRelBiasCaptures{{"bias", "float32", {"H", "256"}}};
 
-std::vector<Case> all_cases(bool backward) {
+std::vector<Case> all_cases(bool backward, const std::vector<int64_t>& seqs) {
   std::vector<Case> cases;
   const auto cat = [](const char* n) { return Variant::from_catalogue(n); };
   for (int64_t d : {64, 128})
-    for (int64_t s : {1024, 4096, 16384})
+    for (int64_t s : seqs)
       for (const char* name : {"noop", "causal"}) cases.push_back({name, s, d, cat(name), {}});
   cases.push_back({"alibi", 16384, 128, cat("alibi"), {{"slope", "slopes"}}});
   for (const char* name : {"softcap", "sliding_window", "prefix_lm"})
@@ -169,12 +170,21 @@ int main(int argc, char** argv) {
   std::vector<std::string> kernel_names{"auto"}, precision_names{"fast"};
   std::string gallery;
   bool head_dims = false;
+  std::vector<int64_t> seqs{1024, 4096, 16384};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--gallery", gallery,
                  "run the variants of this gallery (tools/gallery.json) at S = 8k / 16k, D = 64 / "
                  "128 instead of the anchors' cases");
   app.add_flag("--head-dims", head_dims,
                "run noop, causal and softcap at D = 96, 192 and 256 (H = 16) instead");
+  app.add_option("--seqs", seqs,
+                 "sequence lengths of the noop and causal cases, comma-separated divisors of 16384 "
+                 "(B = 16384 / S)")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t(1), kTokens) &
+              CLI::Validator([](std::string& v) {
+                return kTokens % std::stoll(v) == 0 ? "" : v + " does not divide 16384";
+              }, "divisor of 16384"));
   app.add_option("--kernel", kernel_names,
                  "kernels to time (forward, or backward with --backward), comma-separated: auto, "
                  "portable, hopper")
@@ -213,7 +223,7 @@ int main(int argc, char** argv) {
         "|---|---|---|---|---|---|---|---|---|\n");
     const std::vector<Case> cases = !gallery.empty() ? gallery_cases(gallery)
                                     : head_dims      ? head_dim_cases()
-                                                     : all_cases(backward);
+                                                     : all_cases(backward, seqs);
     for (const Case& c : cases) {
       if (!only.empty() && std::find(only.begin(), only.end(), c.name) == only.end()) continue;
       const int64_t dv = c.dv ? c.dv : c.d;

@@ -155,7 +155,7 @@ def copy_gbs(reps, **timing):
     return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
 
 
-def cases(backward, gallery, head_dims=False):
+def cases(backward, gallery, head_dims=False, seqs=(1024, 4096, 16384)):
     if head_dims:
         for d in (96, 192, 256):
             for s in (4096, 16384):
@@ -173,7 +173,7 @@ def cases(backward, gallery, head_dims=False):
                     yield entry["name"], s, d
         return
     for d in (64, 128):
-        for s in (1024, 4096, 16384):
+        for s in seqs:
             for name in ("noop", "causal"):
                 yield name, s, d
     for name in ("alibi", "softcap", "sliding_window", "prefix_lm", "document", "t5_bias"):
@@ -192,7 +192,7 @@ def timed(fn, backward, inputs, reps):
     return time_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), reps)
 
 
-def run_peers(reps, only, backward, gallery, head_dims):
+def run_peers(reps, only, backward, gallery, head_dims, seqs):
     device = "cuda"
     # One compiled kernel per shape and variant: let dynamo keep them all.
     torch._dynamo.config.cache_size_limit = 256
@@ -200,7 +200,7 @@ def run_peers(reps, only, backward, gallery, head_dims):
     flex = torch.compile(flex_attention, dynamic=False)
     results = {}
     entries = {e["name"]: e for e in gallery or []}
-    for name, s, d in cases(backward, gallery, head_dims):
+    for name, s, d in cases(backward, gallery, head_dims, seqs):
         if only and name not in only:
             continue
         b, h = TOKENS // s, 16 if head_dims else HIDDEN // d
@@ -256,10 +256,14 @@ def main():
     ap.add_argument("--gallery", help="run this gallery's variants (tools/gallery.json) instead")
     ap.add_argument("--head-dims", action="store_true",
                     help="run noop, causal and softcap at D = 96, 192, 256 (H = 16) instead")
+    ap.add_argument("--seqs", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    default=(1024, 4096, 16384),
+                    help="sequence lengths of noop and causal, comma-separated (bench_attention "
+                         "--seqs)")
     args = ap.parse_args()
     gallery = json.load(open(args.gallery))["variants"] if args.gallery else None
     ours = run_flexc(args.flexc) if args.flexc else {}
-    peers = run_peers(args.reps, args.only, args.backward, gallery, args.head_dims)
+    peers = run_peers(args.reps, args.only, args.backward, gallery, args.head_dims, args.seqs)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     hdr = f"{'case':15s} {'kernel':8s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} " \
           f"{'cuDNN':>6s} {'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
