@@ -270,6 +270,8 @@ class BodyWriter {
           return call("flexc_fast_sqrt");
         case Op::Rsqrt:
           return call("flexc_fast_rsqrt");
+        case Op::Tanh:
+          return call("flexc_fast_tanh");
         case Op::Sigmoid:
           return call("flexc_fast_sigmoid");
         case Op::Sin:

@@ -225,6 +225,9 @@ __device__ __forceinline__ float flexc_fast_exp(float x) {
 __device__ __forceinline__ float flexc_fast_log(float x) {
   return flexc_fast_log2(x) * 0.693147180559945309f;
 }
+// CUDA's tanhf, branch-free already (above); the cheaper forms tried made the backward kernel
+// spill more and run 13-23% slower (docs/perf.md, "Tried: cheaper tanh forms").
+__device__ __forceinline__ float flexc_fast_tanh(float x) { return tanhf(x); }
 // 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (x < -87.3; the reciprocal flushes to zero), 1
 // for large x; never NaN.
 __device__ __forceinline__ float flexc_fast_sigmoid(float x) {

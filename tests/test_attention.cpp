@@ -1686,6 +1686,7 @@ void check_precisions(const char* name, const char* mod) {
 TEST_CASE("fast and exact float math against float64: tanh, sigmoid", "[gpu]") {
   SKIP_WITHOUT_GPU();
   check_precisions("softcap", "30.0 * tanh(score / 30.0)");
+  check_precisions("tanh_gate", "4.0 * tanh(score)");  // tanh's curved range, not its linear one
   check_precisions("silu", "score * sigmoid(score)");
 }
 

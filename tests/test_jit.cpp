@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -1166,6 +1167,7 @@ TEST_CASE("fast float math stays within the error docs/dsl.md states for each fu
       {"sqrt(score)", [](double x) { return std::sqrt(x); }, 1e-30, 1e30, 0, 0x1p-21},
       {"rsqrt(score)", [](double x) { return 1 / std::sqrt(x); }, 1e-30, 1e30, 0, 0x1p-21},
       {"tanh(score)", [](double x) { return std::tanh(x); }, -20, 20, 0, 0x1p-21},
+      {"tanh(score)", [](double x) { return std::tanh(x); }, 1e-30, 1, 0, 0x1p-21},
       {"sigmoid(score)", [](double x) { return 1 / (1 + std::exp(-x)); }, -80, 80, 0,
        0x1p-20 + 80 * 0x1p-23},
       {"sin(score)", [](double x) { return std::sin(x); }, -3.14159, 3.14159, 1, 0x1p-20},
@@ -1200,6 +1202,24 @@ TEST_CASE("fast float math stays within the error docs/dsl.md states for each fu
                      f.mod, f.lo, f.hi, worst, std::log2(worst), at, std::log2(f.bound)));
     CHECK(worst <= f.bound);
   }
+  // tanh's fast form is a ratio of polynomials: never past +-1 (1 - tanh^2 stays >= 0), NaN
+  // stays NaN, and +-inf saturate.
+  const Variant tanh = Variant::from_strings("tanh(score)", "true", {}, {}, "fast_tanh");
+  std::vector<float> x = {std::numeric_limits<float>::quiet_NaN(),
+                          std::numeric_limits<float>::infinity(),
+                          -std::numeric_limits<float>::infinity(), 1e30f, -1e30f, -0.0f};
+  for (int i = 0; i < 1 << 16; ++i) x.push_back(5.0f + 10.0f * i / (1 << 16));
+  const std::vector<float> got = score_mod_on_gpu(tanh, x);
+  CHECK(std::isnan(got[0]));
+  CHECK(got[1] == 1.0f);
+  CHECK(got[2] == -1.0f);
+  CHECK(got[3] == 1.0f);
+  CHECK(got[4] == -1.0f);
+  CHECK((got[5] == 0.0f && std::signbit(got[5])));
+  float most = 0;
+  for (float t : got)
+    if (!std::isnan(t)) most = std::max(most, std::abs(t));
+  CHECK(most <= 1.0f);
 }
 
 TEST_CASE("DeviceBuffer, Stream and EventTimer work on the device", "[gpu]") {
