@@ -859,12 +859,14 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= (spill_free ? 0 : 8));
       if (d == 64 && spill_free) CHECK(tall);
     }
-  // The persistent build (short sequences at D up to 128, 128-row tiles) keeps its wgmmas
-  // asynchronous without a spill for the plain variants (others fall back to a CTA per item).
+  // The persistent build (short sequences at D up to 128, 128-row tiles; at D 64 under a mask)
+  // keeps its wgmmas asynchronous without a spill for the plain variants (others fall back to a
+  // CTA per item).
   for (const char* name : {"noop", "causal", "alibi", "sliding_window", "softcap"})
-    for (int d : {96, 128}) {
+    for (int d : {64, 96, 128}) {
       jit::KernelConfig kc{"sm_90", "bf16", d, d};
       kc.persistent = true;
+      if (d == 64) kc.block_m = 128;
       const std::string log =
           ptxas_log(Variant::from_catalogue(name), jit::attention_fwd_sm90_spec(kc));
       INFO(name << " D " << d << " persistent\n" << log);
