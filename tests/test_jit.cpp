@@ -1202,8 +1202,8 @@ TEST_CASE("fast float math stays within the error docs/dsl.md states for each fu
                      f.mod, f.lo, f.hi, worst, std::log2(worst), at, std::log2(f.bound)));
     CHECK(worst <= f.bound);
   }
-  // tanh's fast form is a ratio of polynomials: never past +-1 (1 - tanh^2 stays >= 0), NaN
-  // stays NaN, and +-inf saturate.
+  // tanh's fast form (whatever flexc_fast_tanh is): never past +-1 (1 - tanh^2 stays >= 0), NaN
+  // stays NaN, +-inf and huge values saturate, -0 stays -0.
   const Variant tanh = Variant::from_strings("tanh(score)", "true", {}, {}, "fast_tanh");
   std::vector<float> x = {std::numeric_limits<float>::quiet_NaN(),
                           std::numeric_limits<float>::infinity(),
