@@ -7,6 +7,8 @@
 #include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <set>
 #include <stdexcept>
 #include <vector>
 
@@ -111,6 +113,12 @@ class BodyWriter {
   }
 
   std::string write() {
+    // What the caller reads after the body (ref(id), o<id>).
+    std::vector<std::string> roots;
+    for (NodeId id = 0; id < g_.size(); ++id) {
+      if (value_[id]) roots.push_back(ref(id));
+      if (offset_[id]) roots.push_back(fmt::format("o{}", id));
+    }
     for (NodeId id = static_cast<NodeId>(g_.size()); id-- > 0;) {
       if (!value_[id] && !offset_[id]) continue;
       if (substituted(id)) continue;
@@ -118,7 +126,10 @@ class BodyWriter {
       if (n.op == Op::Load) offset_[id] = 1;
       for (NodeId a : n.operands()) value_[a] = 1;
     }
-    if (fast_) mark_exact();
+    if (fast_) {
+      mark_exact();
+      mark_uniform();
+    }
     std::string out;
     for (NodeId id = 0; id < g_.size(); ++id) {
       const Node& n = g_[id];
@@ -128,9 +139,11 @@ class BodyWriter {
         continue;
       }
       if (offset_[id]) statement(out, n, "long long", fmt::format("o{}", id), offset_expr(n));
-      if (value_[id]) statement(out, n, c_type(n.type), ref(id), expr(n, id));
+      if (!value_[id]) continue;
+      std::string init = folds(id) ? fast_value(n, id, out) : std::string();
+      statement(out, n, c_type(n.type), ref(id), init.empty() ? expr(n, id) : init);
     }
-    return out;
+    return live_statements(out, roots);
   }
 
   std::string ref(NodeId id) const {
@@ -145,6 +158,48 @@ class BodyWriter {
 
  private:
   bool substituted(NodeId id) const { return !subst_.empty() && !subst_[id].empty(); }
+
+  // The statements of `body` ("    const T name = init;" lines) that `roots` read, directly or
+  // through others: values that fast_value folded into their users are left out (written, they
+  // would be dead code, and NVRTC warns of each).
+  static std::string live_statements(const std::string& body,
+                                     const std::vector<std::string>& roots) {
+    std::vector<std::string_view> lines;
+    for (size_t at = 0; at < body.size();) {
+      const size_t nl = body.find('\n', at);
+      lines.push_back(std::string_view(body).substr(at, nl + 1 - at));
+      at = nl + 1;
+    }
+    std::set<std::string_view, std::less<>> used(roots.begin(), roots.end());
+    std::vector<char> keep(lines.size(), 0);
+    for (size_t i = lines.size(); i-- > 0;) {
+      const std::string_view line = lines[i];
+      const size_t eq = line.find(" = ");
+      const std::string_view name =
+          line.substr(line.rfind(' ', eq - 1) + 1, eq - line.rfind(' ', eq - 1) - 1);
+      if (!used.count(name)) continue;
+      keep[i] = 1;
+      const std::string_view init = line.substr(eq + 3, line.find(';', eq) - eq - 3);
+      for (size_t k = 0; k < init.size();) {
+        const auto ident = [&](size_t j, bool first) {
+          const unsigned char c = static_cast<unsigned char>(init[j]);
+          return std::isalpha(c) || c == '_' || (!first && std::isdigit(c));
+        };
+        if (!ident(k, true) || (k > 0 && ident(k - 1, false))) {
+          ++k;
+          continue;
+        }
+        size_t e = k;
+        while (e < init.size() && ident(e, false)) ++e;
+        used.insert(init.substr(k, e - k));
+        k = e;
+      }
+    }
+    std::string out;
+    for (size_t i = 0; i < lines.size(); ++i)
+      if (keep[i]) out += lines[i];
+    return out;
+  }
 
   void statement(std::string& out, const Node& n, std::string_view type, std::string_view name,
                  std::string_view init) const {
@@ -184,6 +239,171 @@ class BodyWriter {
       if ((value_[id] || offset_[id] || in_context) && (seed || exact_[id]))
         for (NodeId a : n.operands()) exact_[a] = 1;
     }
+  }
+
+  // ---- Fast math's folding (docs/dsl.md, "Precision"). A float value is kept as alpha + beta *
+  // atom, alpha and beta uniform (from constants and params only: the same for every score, so
+  // the compiler computes them once, out of the loops), so that chains of + - * / by uniform
+  // values cost one multiply or FMA where they meet a non-uniform one: softcap's
+  // cap * tanh(score / cap) is one multiply into tanh and one out. sigmoid, exp and log are
+  // written here from ex2 / lg2 / rcp .approx so that their own constants fold too
+  // (sigmoid(a * score) is one multiply into ex2).
+  struct Coef {
+    double c = 0;      // the value, when `name` is empty
+    std::string name;  // else a uniform C++ value
+    bool is(double v) const { return name.empty() && c == v; }
+  };
+  struct Lin {
+    Coef alpha, beta;
+    std::string atom;  // empty: the value is alpha
+  };
+
+  // Whether node `id` is a fast float op (fast_value, else expr's fast forms). Uniform ones too:
+  // the exact forms' slow paths are calls, which cost registers around them in the loop.
+  bool folds(NodeId id) const { return fast_ && !exact_[id] && g_[id].type == Type::Float; }
+  // Reads nothing but constants and params (computed per node, in id order).
+  bool uniform(NodeId id) const { return !uniform_.empty() && uniform_[id]; }
+  void mark_uniform() {
+    uniform_.assign(g_.size(), 0);
+    for (NodeId id = 0; id < g_.size(); ++id) {
+      const Node& n = g_[id];
+      if (substituted(id) || n.op == Op::Input || n.op == Op::Load) continue;
+      bool u = true;
+      for (NodeId a : n.operands()) u = u && uniform_[a];
+      uniform_[id] = u;
+    }
+  }
+
+  Lin lin_of(NodeId id) const {
+    if (!lin_.empty() && !lin_[id].atom.empty()) return lin_[id];
+    const Node& n = g_[id];
+    if (n.op == Op::Const && n.type == Type::Float) return {{n.fval, {}}, {}, {}};
+    if (uniform(id)) return {{0, ref(id)}, {}, {}};
+    return {{}, {1, {}}, ref(id)};
+  }
+
+  std::string coef_text(const Coef& k) const {
+    return k.name.empty() ? float_literal(k.c) : k.name;
+  }
+  // A uniform value computed from others: a statement of its own (named, so that long chains
+  // stay linear in text).
+  Coef named(std::string init, std::string& out) {
+    const std::string name = fmt::format("k{}", coefs_++);
+    out += fmt::format("    const float {} = {};\n", name, init);
+    return {0, name};
+  }
+  Coef add(const Coef& a, const Coef& b, std::string& out) {
+    if (a.name.empty() && b.name.empty()) return {a.c + b.c, {}};
+    if (a.is(0)) return b;
+    if (b.is(0)) return a;
+    return named(fmt::format("{} + {}", coef_text(a), coef_text(b)), out);
+  }
+  // (A zero alpha is the absence of a term: it stays absent, whatever it is multiplied by.)
+  Coef mul(const Coef& a, const Coef& b, std::string& out) {
+    if (a.name.empty() && b.name.empty()) return {a.c * b.c, {}};
+    if (a.is(0) || b.is(0)) return {};
+    if (a.is(1)) return b;
+    if (b.is(1)) return a;
+    if (a.is(-1)) return neg(b, out);
+    if (b.is(-1)) return neg(a, out);
+    return named(fmt::format("{} * {}", coef_text(a), coef_text(b)), out);
+  }
+  Coef neg(const Coef& a, std::string& out) {
+    return a.name.empty() ? Coef{-a.c, {}} : named("-" + a.name, out);
+  }
+  Coef rcp(const Coef& a, std::string& out) {
+    return a.name.empty() ? Coef{1 / a.c, {}}
+                          : named(fmt::format("flexc_fast_rcp({})", a.name), out);
+  }
+  Lin scaled(const Lin& x, const Coef& k, std::string& out) {
+    return {mul(x.alpha, k, out), mul(x.beta, k, out), x.atom};
+  }
+
+  std::string render(const Lin& x) const {
+    if (x.atom.empty()) return coef_text(x.alpha);
+    const std::string term = x.beta.is(1)    ? x.atom
+                             : x.beta.is(-1) ? "-" + x.atom
+                                             : coef_text(x.beta) + " * " + x.atom;
+    return x.alpha.is(0) ? term : coef_text(x.alpha) + " + " + term;
+  }
+  // An intermediate value of node `id`'s expansion (sigmoid's exponential and reciprocal).
+  std::string aux(NodeId id, char tag, const std::string& init, std::string& out) const {
+    const std::string name = fmt::format("{}{}", tag, id);
+    out += fmt::format("    const float {} = {};\n", name, init);
+    return name;
+  }
+
+  // Node `id`'s value when it folds (its operands' forms combined; empty: written as usual by
+  // expr, an atom for its users). Statements for the uniform factors and the expansions go to
+  // `out` first.
+  std::string fast_value(const Node& n, NodeId id, std::string& out) {
+    if (lin_.empty()) lin_.resize(g_.size());
+    const auto x = [&](int i) { return lin_of(n.args[i]); };
+    std::optional<Lin> r;
+    switch (n.op) {
+      case Op::Add:
+      case Op::Sub: {
+        const Lin a = x(0);
+        Lin b = x(1);
+        if (n.op == Op::Sub)
+          b = {neg(b.alpha, out), b.atom.empty() ? Coef{} : neg(b.beta, out), b.atom};
+        if (a.atom.empty())
+          r = Lin{add(a.alpha, b.alpha, out), b.beta, b.atom};
+        else if (b.atom.empty())
+          r = Lin{add(a.alpha, b.alpha, out), a.beta, a.atom};
+        else if (a.atom == b.atom)
+          r = Lin{add(a.alpha, b.alpha, out), add(a.beta, b.beta, out), a.atom};
+        break;
+      }
+      case Op::Neg: {
+        const Lin a = x(0);
+        r = Lin{neg(a.alpha, out), neg(a.beta, out), a.atom};
+        break;
+      }
+      case Op::Mul:
+        if (x(0).atom.empty())
+          r = scaled(x(1), x(0).alpha, out);
+        else if (x(1).atom.empty())
+          r = scaled(x(0), x(1).alpha, out);
+        break;
+      case Op::Div:
+        if (x(1).atom.empty())
+          r = scaled(x(0), rcp(x(1).alpha, out), out);
+        else if (x(0).atom.empty())
+          r = Lin{
+              {}, x(0).alpha, aux(id, 'r', fmt::format("flexc_fast_rcp({})", ref(n.args[1])), out)};
+        break;
+      case Op::Exp:
+        return fmt::format("flexc_fast_exp2({})", render(scaled(x(0), {kLog2e, {}}, out)));
+      case Op::Exp2:
+        return fmt::format("flexc_fast_exp2({})", render(x(0)));
+      case Op::Log:
+        r = Lin{
+            {}, {kLn2, {}}, aux(id, 'l', fmt::format("flexc_fast_log2({})", ref(n.args[0])), out)};
+        break;
+      case Op::Tanh:
+        return fmt::format("flexc_fast_tanh({})", render(x(0)));
+      case Op::Sigmoid: {
+        // 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (the reciprocal flushes), never NaN.
+        const std::string e =
+            aux(id, 'e',
+                fmt::format("flexc_fast_exp2({})", render(scaled(x(0), {-kLog2e, {}}, out))), out);
+        r = Lin{{}, {1, {}}, aux(id, 'r', fmt::format("flexc_fast_rcp(1.0f + {})", e), out)};
+        break;
+      }
+      default:
+        break;
+    }
+    // A constant factor that is 0 or past float's range would change what the value is, not just
+    // its rounding (score * 0.0 is NaN for an infinite score): the node stays an atom.
+    const auto sound = [](const Coef& k, bool nonzero) {
+      if (!k.name.empty()) return true;
+      const float f = static_cast<float>(k.c);
+      return std::isfinite(f) && (!nonzero || f != 0);
+    };
+    if (!r || r->atom.empty() || !sound(r->alpha, false) || !sound(r->beta, true)) return {};
+    lin_[id] = *r;
+    return render(*r);
   }
 
   // 1 / c as a float literal when node `id` is a float constant c = +-2^k whose reciprocal is a
@@ -245,8 +465,8 @@ class BodyWriter {
     const bool f = operand == Type::Float;
     // Fast float math: contractible operators and approximate instructions, except where a
     // discrete outcome depends on the value (mark_exact). pow stays exact (the fast form is NaN
-    // for negative bases).
-    if (fast_ && !exact_[id] && n.type == Type::Float) {
+    // for negative bases). What fast_value folds or expands does not come here.
+    if (folds(id)) {
       switch (n.op) {
         case Op::Add:
           return infix("+");
@@ -258,22 +478,12 @@ class BodyWriter {
           if (const std::string r = exact_reciprocal(n.args[1]); !r.empty())
             return fmt::format("{} * {}", arg(0), r);
           return call("flexc_fast_div");
-        case Op::Exp:
-          return call("flexc_fast_exp");
-        case Op::Exp2:
-          return call("flexc_fast_exp2");
-        case Op::Log:
-          return call("flexc_fast_log");
         case Op::Log2:
           return call("flexc_fast_log2");
         case Op::Sqrt:
           return call("flexc_fast_sqrt");
         case Op::Rsqrt:
           return call("flexc_fast_rsqrt");
-        case Op::Tanh:
-          return call("flexc_fast_tanh");
-        case Op::Sigmoid:
-          return call("flexc_fast_sigmoid");
         case Op::Sin:
           return call("flexc_fast_sin");
         case Op::Cos:
@@ -393,13 +603,17 @@ class BodyWriter {
     throw std::invalid_argument(fmt::format("emit_cuda: unknown op {}", static_cast<int>(n.op)));
   }
 
+  static constexpr double kLog2e = 1.4426950408889634, kLn2 = 0.6931471805599453;
+
   const Graph& g_;
   const Decls& decls_;
   std::string_view marker_;
   bool fast_;
   bool plain_ = false;
-  std::vector<char> value_, offset_, exact_, context_;
+  std::vector<char> value_, offset_, exact_, context_, uniform_;
   std::vector<std::string> subst_;
+  std::vector<Lin> lin_;
+  int coefs_ = 0;
 };
 
 constexpr const char* kScoreParams =

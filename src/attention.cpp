@@ -108,14 +108,15 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
   return c;
 }
 
-bool fwd_sm90_short_masked(const TileConfig& c, int64_t kv_len, bool mask_always_true,
-                           bool block_mask) {
+int fwd_sm90_block_m(int head_dim, int v_head_dim, int64_t kv_len, bool mask_always_true,
+                     bool block_mask) {
   // Measured (docs/perf.md, "D 64 under a mask at short lengths"): a 192-row tile spans two
   // BlockMask rows and computes the union of their kv tiles (the diagonal for rows that do not
   // reach it); at KV_LEN 1k under a causal mask 128-row tiles, which then run the persistent
   // grid, are 19% faster; without a mask 3% slower, and at 4k slower either way. (The mask's
   // text decides, not the BlockMask's counts: those may live on the device.)
-  return c.block_m == 192 && kv_len <= 2048 && block_mask && !mask_always_true;
+  const bool d64 = head_dim == 64 && v_head_dim == 64;
+  return d64 && kv_len <= 2048 && block_mask && !mask_always_true ? 128 : 0;
 }
 
 bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int64_t kv_len,
@@ -357,17 +358,14 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // The Hopper kernel where it runs and has the head dim (and the BlockMask's tiles split into
   // its 128 x 128 ones, which the default tiles do); the portable one elsewhere.
   const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
-  detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D), int(Dv)) : portable;
+  jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
+  if (hopper)
+    kc.block_m = detail::fwd_sm90_block_m(int(D), int(Dv), kv_len, variant.mask_always_true(),
+                                          opts.block_mask != nullptr);
+  detail::TileConfig cfg = hopper ? detail::fwd_config_sm90(int(D), int(Dv), kc.block_m) : portable;
   if (cfg.smem_bytes > dev.max_smem)
     fail(fmt::format("head dim {} needs {} KiB of shared memory per block; this GPU allows {} KiB",
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
-
-  jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
-  if (hopper && detail::fwd_sm90_short_masked(cfg, kv_len, variant.mask_always_true(),
-                                               opts.block_mask != nullptr)) {
-    kc.block_m = 128;
-    cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
-  }
   kc.positions = pos.need_kernel(q_len, kv_len, true);
   kc.f32_out = out.dtype == DType::F32, kc.accumulate = opts.accumulate;
   // Short sequences on Hopper: a persistent grid.

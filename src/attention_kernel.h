@@ -34,10 +34,11 @@ TileConfig fwd_config(int head_dim, int v_head_dim);
 // The Hopper kernel's, with q tiles of `block_m` rows (0: the head dims' default, 192 at D 64
 // and 128 otherwise; 128 always fits). Throws flexc::Error for a head dim it does not support.
 TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m = 0);
-// Whether a call that `c` (the default Hopper configuration) would run on 192-row q tiles takes
-// 128-row ones instead: short sequences under a BlockMask of a mask_mod not always true.
-bool fwd_sm90_short_masked(const TileConfig& c, int64_t kv_len, bool mask_always_true,
-                           bool block_mask);
+// The q tile rows a Hopper forward call asks fwd_config_sm90 for (0: the head dims' default):
+// 128 where D 64's default 192-row tiles lose, short sequences under a BlockMask of a mask_mod
+// not always true.
+int fwd_sm90_block_m(int head_dim, int v_head_dim, int64_t kv_len, bool mask_always_true,
+                     bool block_mask);
 // What a forward kernel of configuration `c` adds to its shared memory for score_mod's data
 // (dsl::LaunchFacts): two 256-word tables per relative term, for each of the Hopper kernel's
 // consumers or for the portable kernel's CTA, and on Hopper per stage a word per key and column

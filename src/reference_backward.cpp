@@ -171,7 +171,10 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
       const float p32 = static_cast<float>(std::exp(s32 - lse_r[row]));
       e.p16 = detail::round_to(p.dtype, p32);
       e.dscore32 = static_cast<float>(p32 * static_cast<float>(static_cast<float>(dp) - delta_r[row]));
-      e.ds16 = detail::round_to(p.dtype, static_cast<float>(e.dscore32 * grad32));
+      // The kernels' order: (P d score_mod / d score) (dP - delta) (online_softmax.cuh).
+      e.ds16 = detail::round_to(
+          p.dtype, static_cast<float>(static_cast<float>(p32 * grad32) *
+                                      static_cast<float>(static_cast<float>(dp) - delta_r[row])));
       e.ref = p32 != 0;
     }
   };

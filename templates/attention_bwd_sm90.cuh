@@ -170,6 +170,9 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
   zero_fragments(dv);
   FlexcGradSink<FlexcVariant::kCaptureGradLoads> capture_grads;
   const float to_log2 = flexc_attn::units_log2(p);
+  // Without capture gradients (which read P itself), P and the derivative become one array
+  // (p_grad) as soon as P is packed for dV (softcap at D 128: 152 bytes of spills, 220 without).
+  constexpr bool kFoldGrad = kGrad && !CAPTURE_GRADS;
 
   mbar_wait(sm.kv_full(), 0);
   Steps walk = steps;
@@ -203,6 +206,11 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
     unsigned pa[kNT / 2][4];
 #pragma unroll
     for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<kBf16>(s[0], kk, pa[kk]);
+    if constexpr (kFoldGrad)
+#pragma unroll
+      for (int j = 0; j < kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][j][e] = p_grad(s[0][j][e], grad[0][j][e]);
     fence_regs(pa);
     fence_regs(dv[0]);
     wgmma_fence();
@@ -219,7 +227,8 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
       if constexpr (CAPTURE_GRADS)
         flexc_attn::add_capture_grads(capture_grads, args, p, pv, dp[0][j][e], delta[c], x, j, e,
                                       b, hq, q_idx, kv_idx);
-      dp[0][j][e] = dscore<kGrad>(pv, dp[0][j][e], delta[c], grad[0][kGrad ? j : 0][e]);
+      constexpr bool kFromP = kGrad && !kFoldGrad;  // else pv is p_grad's already
+      dp[0][j][e] = dscore<kFromP>(pv, dp[0][j][e], delta[c], grad[0][kGrad ? j : 0][e]);
     });
     unsigned dsa[kNT / 2][4];
 #pragma unroll

@@ -184,8 +184,8 @@ __device__ __forceinline__ float flexc_rsqrtf(float x) { return __fdiv_rn(1.0f, 
 // ---- Precision::Fast (docs/dsl.md, "Precision"): score_mod's float math without IEEE rounding
 // and its slow paths (the exact division's subroutine call, sinf's long range reduction), on the
 // GPU's approximate instructions: a few ulp each, accurate enough that the tolerance rule holds
-// for the LSE too. tanh needs no fast form: CUDA's tanhf is already branch-free ex2 / rcp.approx
-// code of 2 ulp (tanh.approx.f32, 2^-11, is not accurate enough). In the host build of the hooks
+// for the LSE too. The emitter writes exp, log and sigmoid from these (so that their constants
+// fold into the user's, dsl/emit_cuda.cpp). In the host build of the hooks
 // (tests/test_emit.cpp) each is the exact operation.
 #ifdef __CUDA_ARCH__
 #define FLEXC_APPROX(name, instruction)             \
@@ -208,7 +208,9 @@ __device__ __forceinline__ float flexc_reduce_2pi(float x) {
 }
 __device__ __forceinline__ float flexc_fast_sin(float x) { return __sinf(flexc_reduce_2pi(x)); }
 __device__ __forceinline__ float flexc_fast_cos(float x) { return __cosf(flexc_reduce_2pi(x)); }
-__device__ __forceinline__ float flexc_fast_div(float a, float b) { return __fdividef(a, b); }
+// a * rcp.approx(b): 2 ulp, 0 for |b| > 2^126 (__fdividef scales a tiny b first: one multiply
+// more per score).
+__device__ __forceinline__ float flexc_fast_div(float a, float b) { return a * flexc_fast_rcp(b); }
 #else
 __device__ __forceinline__ float flexc_fast_exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float flexc_fast_log2(float x) { return log2f(x); }
@@ -219,20 +221,11 @@ __device__ __forceinline__ float flexc_fast_sin(float x) { return sinf(x); }
 __device__ __forceinline__ float flexc_fast_cos(float x) { return cosf(x); }
 __device__ __forceinline__ float flexc_fast_div(float a, float b) { return a / b; }
 #endif
-__device__ __forceinline__ float flexc_fast_exp(float x) {
-  return flexc_fast_exp2(x * 1.44269504088896341f);
-}
-__device__ __forceinline__ float flexc_fast_log(float x) {
-  return flexc_fast_log2(x) * 0.693147180559945309f;
-}
-// CUDA's tanhf, branch-free already (above); the cheaper forms tried made the backward kernel
-// spill more and run 13-23% slower (docs/perf.md, "Tried: cheaper tanh forms").
+// CUDA's tanhf: branch-free already (a polynomial below 0.55, 1 - 2 / (1 + e^2x) on ex2 / rcp
+// .approx above), and relative near 0, where a softcap's scores mostly are: the exponential
+// form alone (2^-22 absolute there) moved a softcap's LSE past the tolerance rule at short KV
+// lengths (docs/perf.md, "Tried: cheaper tanh forms").
 __device__ __forceinline__ float flexc_fast_tanh(float x) { return tanhf(x); }
-// 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (x < -87.3; the reciprocal flushes to zero), 1
-// for large x; never NaN.
-__device__ __forceinline__ float flexc_fast_sigmoid(float x) {
-  return flexc_fast_rcp(1.0f + flexc_fast_exp(-x));
-}
 
 // A captured tensor's index wraps: floored modulo the dimension, n >= 1 (fixed extents are
 // validated; a symbolic dim is a length, and hooks are called only when it is >= 1, see above).

@@ -27,12 +27,16 @@ __device__ __forceinline__ float lse_log2(const float* lse, long long at, bool v
 __device__ __forceinline__ float p_from_lse(float s, float to_log2, float lse2) {
   return exp2_approx(fmaf(s, to_log2, -lse2));
 }
-// dS = P (dP - delta) d score_mod / d score (GRAD: the derivative `grad`, else 1); where P is 0
-// (masked, past a length, a score_mod of -inf) dS is exactly 0 whatever the derivative there.
+// P d score_mod / d score (GRAD: the derivative `grad`); 0 where P is 0 (masked, past a length,
+// a score_mod of -inf), whatever the derivative there. A kernel may take it as soon as P has
+// gone into dV's product, so that one array (not P and the derivative) stays live across dP's.
+__device__ __forceinline__ float p_grad(float p, float grad) { return p == 0.f ? 0.f : p * grad; }
+// dS = P d score_mod / d score (dP - delta) from pg = p_grad(P, grad) (GRAD: from P and grad);
+// exactly 0 where pg is. One rounding order whichever way a kernel takes it.
 template <bool GRAD>
 __device__ __forceinline__ float dscore(float p, float dp, float delta, float grad) {
-  const float ds = p * (dp - delta) * (GRAD ? grad : 1.f);
-  return p == 0.f ? 0.f : ds;
+  const float pg = GRAD ? p_grad(p, grad) : p;
+  return pg == 0.f ? 0.f : pg * (dp - delta);
 }
 
 template <int MT, int NT>

@@ -187,7 +187,7 @@ TEST_CASE("score_mod's costly terms in kv_idx - q_idx alone are relative terms",
       emit_cuda_variant({&cmp.score.graph, &cmp.mask.graph, &cmp.decls, "t", FloatMath::Fast});
   const std::string rel_hook = fast.substr(fast.find("score_rel_terms("));
   CHECK(has(rel_hook.substr(0, rel_hook.find("score_mod_cols(")), "expf("));
-  CHECK_FALSE(has(rel_hook.substr(0, rel_hook.find("score_mod_cols(")), "flexc_fast_exp("));
+  CHECK_FALSE(has(rel_hook.substr(0, rel_hook.find("score_mod_cols(")), "flexc_fast_exp2("));
 }
 
 TEST_CASE("emitted text is deterministic and names no user identifier", "[emit]") {
@@ -317,28 +317,35 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
   const std::string exact = emit(softcap), fast = emit_fast(softcap);
   CHECK(has(exact, "(exact float math in score_mod)"));
   CHECK(has(fast, "(fast float math in score_mod)"));
-  // Exact: IEEE-rounded intrinsics; fast: contractible operators and the fast division, in the
-  // score_mod and in its derivative.
+  // Exact: IEEE-rounded intrinsics; fast: 1 / cap computed once, one multiply into
+  // tanh (CUDA's tanhf, flexc_hooks.cuh), in the score_mod and in its derivative.
   for (const char* hook : {"score_mod", "score_mod_grad"}) {
     INFO(hook);
     CHECK(has(hook_body(exact, hook), "__fdiv_rn("));
     CHECK_FALSE(has(hook_body(exact, hook), "flexc_fast_"));
-    CHECK(has(hook_body(fast, hook), "= flexc_fast_div(score, t0);"));
-    CHECK(has(hook_body(fast, hook), "flexc_fast_tanh("));  // tanhf (flexc_hooks.cuh)
     CHECK(has(hook_body(exact, hook), "tanhf("));
+    CHECK(has(hook_body(fast, hook), "const float k0 = flexc_fast_rcp(t0);"));
+    CHECK(has(hook_body(fast, hook), "= flexc_fast_tanh(k0 * score);"));
+    CHECK_FALSE(has(hook_body(fast, hook), "flexc_fast_div"));
     CHECK_FALSE(has(hook_body(fast, hook), "__fdiv_rn"));
     CHECK_FALSE(has(hook_body(fast, hook), "__fmul_rn"));
   }
-  CHECK(has(hook_body(fast, "score_mod"), "= t0 * t"));
+  CHECK(has(hook_body(fast, "score_mod"), "= t0 * t3;"));
+  // score / cap itself, folded into tanh's argument, is not written (NVRTC would warn).
+  CHECK_FALSE(has(hook_body(fast, "score_mod"), " t2 = "));
+  // The derivative cap (1 - t^2) / cap folds to one FMA in t^2: k + k' t^2.
+  CHECK(has(hook_body(fast, "score_mod_grad"), "= k3 + k4 * t7;"));
 
   const Parsed each = parse(
       "exp(score) + exp2(score) + log(score) + log2(score) + sqrt(score) + rsqrt(score) + "
       "sigmoid(score) + sin(score) + cos(score) + pow(score, 2.5)",
       "true");
   const std::string f = hook_body(emit_fast(each), "score_mod");
-  for (const char* fn : {"flexc_fast_exp(", "flexc_fast_exp2(", "flexc_fast_log(",
-                         "flexc_fast_log2(", "flexc_fast_sqrt(", "flexc_fast_rsqrt(",
-                         "flexc_fast_sigmoid(", "flexc_fast_sin(", "flexc_fast_cos(", "powf("})
+  for (const char* fn :
+       {"flexc_fast_exp2(1.44269502f * score)", "flexc_fast_exp2(score)", "flexc_fast_log2(score)",
+        "0.693147182f * l", "flexc_fast_sqrt(score)", "flexc_fast_rsqrt(score)",
+        "flexc_fast_exp2((-1.44269502f) * score)", "flexc_fast_rcp(1.0f + e",
+        "flexc_fast_sin(score)", "flexc_fast_cos(score)", "powf(score, 2.5f)"})
     CHECK(has(f, fn));
 
   // A float that decides something discrete is exact, with all it is computed from: t5_bias's
@@ -361,18 +368,19 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
   CHECK(has(exact_pow2, "__fmul_rn(score, (-0.125f))"));
   CHECK(has(exact_pow2, "__fdiv_rn(score, 3.0f)"));
   const std::string fast_pow2 = hook_body(emit_fast(pow2), "score_mod");
-  CHECK(has(fast_pow2, "score * 4.0f"));
-  CHECK(has(fast_pow2, "flexc_fast_div(score, 3.0f)"));
-  CHECK_FALSE(has(bucket, "flexc_fast_log2"));
-  CHECK(has(bucket, "flexc_fast_log("));
-  CHECK(has(bucket, "score * 0.5f"));
+  // Fast: the three terms, each the score times a constant, fold into one multiply.
+  CHECK(has(fast_pow2, "const float t8 = 4.20833349f * score;"));
+  CHECK(has(fast_pow2, "return t8;"));
+  CHECK(has(bucket, "= log2f("));
+  CHECK(has(bucket, "0.693147182f * l"));
+  CHECK(has(bucket, "0.5f * score"));
   const std::string branch =
       hook_body(emit_fast(parse("exp(score) > 2.0 ? exp(score) : floor(score / 3.0) + sqrt(score)",
                                 "true")),
                 "score_mod");
   CHECK(has(branch, "expf("));
   CHECK(has(branch, "__fdiv_rn(score, 3.0f)"));
-  CHECK_FALSE(has(branch, "flexc_fast_exp("));
+  CHECK_FALSE(has(branch, "flexc_fast_exp2("));
   CHECK(has(branch, "flexc_fast_sqrt("));
   // The mask is always exact.
   const std::string mask = hook_body(
@@ -511,6 +519,23 @@ std::string c_bytes(const std::vector<uint8_t>& v) {
 
 std::string hex_bits(float f) { return fmt::format("{:08x}", std::bit_cast<uint32_t>(f)); }
 
+// Writes `prog` to dir/main.cpp, builds it with $CXX (or c++) and `flags`, runs it into
+// dir/out.txt; fails the test with the build log otherwise.
+void run_host_program(const fs::path& dir, const std::string& prog, const std::string& flags) {
+  std::ofstream(dir / "main.cpp") << prog;
+  const char* cxx = std::getenv("CXX");
+  const std::string cmd = fmt::format(
+      "cd '{}' && '{}' -std=c++20 -O1 {} -fno-builtin -w -I'{}/templates' main.cpp -o main "
+      "2> build.log && ./main > out.txt 2>> build.log",
+      dir.string(), cxx && *cxx ? cxx : "c++", flags, FLEXC_SOURCE_DIR);
+  if (std::system(cmd.c_str()) != 0) {
+    std::ifstream log(dir / "build.log");
+    FAIL("building or running the host program failed ("
+         << cmd << "):\n"
+         << std::string(std::istreambuf_iterator<char>(log), {}));
+  }
+}
+
 struct Point {
   int b, h, q, kv, q_len, kv_len;
   float score;
@@ -641,20 +666,7 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
     prog += fmt::format(
         "  for (float x : grad{}) std::printf(\"%08x\\n\", std::bit_cast<unsigned>(x));\n", c);
   prog += "}\n";
-  std::ofstream(dir / "main.cpp") << prog;
-
-  const char* cxx = std::getenv("CXX");
-  const std::string cmd = fmt::format(
-      "cd '{}' && '{}' -std=c++20 -O1 -ffp-contract=off -fno-builtin -w -I'{}/templates' main.cpp -o main "
-      "2> build.log && ./main > out.txt 2>> build.log",
-      dir.string(), cxx && *cxx ? cxx : "c++", FLEXC_SOURCE_DIR);
-  const int rc = std::system(cmd.c_str());
-  if (rc != 0) {
-    std::ifstream log(dir / "build.log");
-    FAIL("building or running the host program failed ("
-         << cmd << "):\n"
-         << std::string(std::istreambuf_iterator<char>(log), {}));
-  }
+  run_host_program(dir, prog, "-ffp-contract=off");
 
   // The same on the interpreter, F32 mode.
   std::vector<HostTensor> tensors;
@@ -714,6 +726,82 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
         CHECK(std::isnan(g));
       else
         CHECK(g == want);
+    }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
+  // Every folding rule (a uniform term on either side of + and -, a uniform factor on either side
+  // of *, division by a uniform value and of one, terms of the same atom, negation) and every
+  // expansion (exp, exp2, log, tanh, sigmoid), through param-valued factors too: the fast hooks,
+  // built on the host (where the approximate instructions are the exact operations), against
+  // the interpreter in float64. Only rounding may differ.
+  Decls d;
+  d.params.push_back({"pf", Type::Float, 0, false});
+  d.params.push_back({"pi", Type::Int, 0, false});
+  const char* mods[] = {
+      "pf * tanh(score / pf)",
+      "30.0 * tanh(score / 30.0)",
+      "score * sigmoid(score * 1.702)",
+      "(score * 3.0 + pf) / pf - 2.0 * (score - pf) + exp(score / 4.0 - 1.0)",
+      "-(score / -pf) * 0.5 + log(2.0 + score * score) / 3.0",
+      "score - score * 0.25 + 1.0 / (1.0 + exp(-score))",
+      "pf - (score + pf) * float(pi) + exp2(0.5 * score - pf)",
+      "(pf + 1.0) / (score * score + 1.0) - tanh(2.0 * score + 1.0) * (pf - 4.0)",
+      "score + float(kv_idx - q_idx) * pf / 8.0 - sigmoid(-score / pf + 0.5) * 3.0",
+  };
+  const float pf = 2.5f;
+  const int pi = 3;
+  const fs::path dir = fs::temp_directory_path() / fmt::format("flexc_fold_{}", getpid());
+  fs::create_directories(dir);
+  std::string prog =
+      std::string(kShim) + "#include \"" FLEXC_SOURCE_DIR "/templates/flexc_hooks.cuh\"\n";
+  std::vector<Graph> graphs;
+  for (size_t v = 0; v < std::size(mods); ++v) {
+    const Parsed p = parse(mods[v], "true", d);
+    graphs.push_back(p.score.graph);
+    const std::string h = emit_cuda_variant(
+        {&p.score.graph, &p.mask.graph, &p.decls, fmt::format("fold{}", v), FloatMath::Fast});
+    std::ofstream(dir / fmt::format("v{}.cuh", v)) << h;
+    prog += fmt::format("namespace v{0} {{\n#include \"v{0}.cuh\"\n}}\n", v);
+  }
+  std::vector<float> scores = {0.0f, -0.0f, 1e-3f, -7.5f, 40.0f, -40.0f};
+  for (int i = 0; i < 40; ++i)
+    scores.push_back(std::uniform_real_distribution<float>(-20, 20)(rng()));
+  prog += "int main() {\n  FlexcArgs a{};\n";
+  prog += fmt::format("  a.fparam[0] = {}f; a.iparam[1] = {};\n  const float s[] = {{", pf, pi);
+  for (float x : scores) prog += fmt::format("std::bit_cast<float>(0x{}u),", hex_bits(x));
+  prog += "};\n  for (float x : s) {\n";
+  for (size_t v = 0; v < std::size(mods); ++v)
+    prog += fmt::format(
+        "    std::printf(\"%a %a\\n\", v{0}::FlexcVariant::score_mod(a, x, 0, 0, 5, 2, 7, 11), "
+        "v{0}::FlexcVariant::score_mod_grad(a, x, 0, 0, 5, 2, 7, 11));\n",
+        v);
+  prog += "  }\n}\n";
+  run_host_program(dir, prog, "");
+  std::ifstream out(dir / "out.txt");
+  const double params[] = {pf, static_cast<double>(pi)};
+  std::vector<Value> scratch;
+  for (float x : scores)
+    for (size_t v = 0; v < std::size(mods); ++v) {
+      const Graph s = simplify(graphs[v]);
+      Graph dg = s;
+      const NodeId droot = derivative_wrt_score(dg, dg.root);
+      EvalEnv env;
+      env.ints = {0, 0, 0, 5, 2, 7, 11};
+      env.score = x;
+      env.params = params;
+      const double want = evaluate(s, env, Precision::F64, scratch).f;
+      const double want_g = evaluate(dg, droot, env, Precision::F64, scratch).f;
+      std::string got, got_g;
+      out >> got >> got_g;
+      INFO(mods[v] << " at score " << x << ": got " << got << " and " << got_g << ", want " << want
+                   << " and " << want_g);
+      // A few float32 roundings of terms up to 40 in size.
+      CHECK(std::abs(std::strtod(got.c_str(), nullptr) - want) <=
+            1e-5 * std::max(1.0, std::abs(want)) + 2e-5);
+      CHECK(std::abs(std::strtod(got_g.c_str(), nullptr) - want_g) <=
+            1e-5 * std::max(1.0, std::abs(want_g)) + 2e-5);
     }
   fs::remove_all(dir);
 }

@@ -1168,6 +1168,9 @@ TEST_CASE("fast float math stays within the error docs/dsl.md states for each fu
       {"rsqrt(score)", [](double x) { return 1 / std::sqrt(x); }, 1e-30, 1e30, 0, 0x1p-21},
       {"tanh(score)", [](double x) { return std::tanh(x); }, -20, 20, 0, 0x1p-21},
       {"tanh(score)", [](double x) { return std::tanh(x); }, 1e-30, 1, 0, 0x1p-21},
+      // (score / 30 as a multiply by 1 / 30: relative near 0 still.)
+      {"30.0 * tanh(score / 30.0)", [](double x) { return 30 * std::tanh(x / 30); }, -200, 200, 0,
+       0x1p-21},
       {"sigmoid(score)", [](double x) { return 1 / (1 + std::exp(-x)); }, -80, 80, 0,
        0x1p-20 + 80 * 0x1p-23},
       {"sin(score)", [](double x) { return std::sin(x); }, -3.14159, 3.14159, 1, 0x1p-20},
