@@ -315,6 +315,14 @@ class BodyWriter {
     return a.name.empty() ? Coef{1 / a.c, {}}
                           : named(fmt::format("flexc_fast_rcp({})", a.name), out);
   }
+  // A constant factor that is 0 or past float's range would change what a value is, not just its
+  // rounding (score * 0.0 is NaN for an infinite score, exp(score * 3e38) folded inf * score),
+  // and a subnormal one would lose bits: such a fold is not made.
+  static bool sound(const Coef& k, bool nonzero) {
+    if (!k.name.empty()) return true;
+    const float f = static_cast<float>(k.c);
+    return f == 0 ? !nonzero : std::isnormal(f);
+  }
   Lin scaled(const Lin& x, const Coef& k, std::string& out) {
     return {mul(x.alpha, k, out), mul(x.beta, k, out), x.atom};
   }
@@ -339,6 +347,13 @@ class BodyWriter {
   std::string fast_value(const Node& n, NodeId id, std::string& out) {
     if (lin_.empty()) lin_.resize(g_.size());
     const auto x = [&](int i) { return lin_of(n.args[i]); };
+    // Operand i times the constant k, folded where the product's factors stay sound.
+    const auto times = [&](int i, double k) {
+      const Lin s = scaled(x(i), {k, {}}, out);
+      return sound(s.alpha, false) && sound(s.beta, !s.atom.empty())
+                 ? s
+                 : Lin{{}, {k, {}}, ref(n.args[i])};
+    };
     std::optional<Lin> r;
     switch (n.op) {
       case Op::Add:
@@ -374,7 +389,7 @@ class BodyWriter {
               {}, x(0).alpha, aux(id, 'r', fmt::format("flexc_fast_rcp({})", ref(n.args[1])), out)};
         break;
       case Op::Exp:
-        return fmt::format("flexc_fast_exp2({})", render(scaled(x(0), {kLog2e, {}}, out)));
+        return fmt::format("flexc_fast_exp2({})", render(times(0, kLog2e)));
       case Op::Exp2:
         return fmt::format("flexc_fast_exp2({})", render(x(0)));
       case Op::Log:
@@ -386,21 +401,13 @@ class BodyWriter {
       case Op::Sigmoid: {
         // 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (the reciprocal flushes), never NaN.
         const std::string e =
-            aux(id, 'e',
-                fmt::format("flexc_fast_exp2({})", render(scaled(x(0), {-kLog2e, {}}, out))), out);
+            aux(id, 'e', fmt::format("flexc_fast_exp2({})", render(times(0, -kLog2e))), out);
         r = Lin{{}, {1, {}}, aux(id, 'r', fmt::format("flexc_fast_rcp(1.0f + {})", e), out)};
         break;
       }
       default:
         break;
     }
-    // A constant factor that is 0 or past float's range would change what the value is, not just
-    // its rounding (score * 0.0 is NaN for an infinite score): the node stays an atom.
-    const auto sound = [](const Coef& k, bool nonzero) {
-      if (!k.name.empty()) return true;
-      const float f = static_cast<float>(k.c);
-      return std::isfinite(f) && (!nonzero || f != 0);
-    };
     if (!r || r->atom.empty() || !sound(r->alpha, false) || !sound(r->beta, true)) return {};
     lin_[id] = *r;
     return render(*r);
@@ -756,6 +763,9 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
                          FloatMath math, const std::vector<NodeId>& loads, const char* ret,
                          const char* name, const char* params) {
   BodyWriter w(g, decls, marker, math);
+  // Exact where score_mod is, though the loads' and terms' own operands are not written here: a
+  // value both inside a relative term (under a floor, say) and outside it is exact in both.
+  w.exact_as_in(g.root);
   for (size_t k = 0; k < loads.size(); ++k) {
     const Type t = g[loads[k]].type;
     w.substitute(loads[k], t == Type::Float ? fmt::format("__uint_as_float(cv[{}])", k)

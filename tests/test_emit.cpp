@@ -371,6 +371,30 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
   // Fast: the three terms, each the score times a constant, fold into one multiply.
   CHECK(has(fast_pow2, "const float t8 = 4.20833349f * score;"));
   CHECK(has(fast_pow2, "return t8;"));
+  // No fold whose factor leaves float's range: 3e38 * log2(e) would be inf (inf * 0 = NaN where
+  // exp(0) is 1), 1e-30 * 1e-20 would be 0.
+  const std::string huge = hook_body(emit_fast(parse("exp(score * 3.0e38)", "true")), "score_mod");
+  CHECK(has(huge, "= 3.00000001e+38f * score;"));
+  CHECK(has(huge, "flexc_fast_exp2(1.44269502f * t"));
+  const std::string tiny =
+      hook_body(emit_fast(parse("score * 1.0e-30 * 1.0e-20 + 1.0", "true")), "score_mod");
+  CHECK(has(tiny, "= t2 * 9.99999968e-21f;"));
+  const std::string subnormal =
+      hook_body(emit_fast(parse("score * 1.0e-30 * 1.0e-14", "true")), "score_mod");
+  CHECK(has(subnormal, "= t2 * 9.99999982e-15f;"));  // not 9.8e-45, a subnormal factor
+  // A value inside a relative term (here under floor, so exact) and outside it is exact in the
+  // score_mod_cols twin too, which reads the term from the kernel's table: the forward (the
+  // twin) and the backward (score_mod) compute the same bits.
+  const std::string twin =
+      emit_fast(parse("let x = log2(float(abs(kv_idx - q_idx)) + 1.0); score * sin(floor(x) + x) + "
+                      "score * cos(x + 1.0) + x * 3.0 * score",
+                      "true"));
+  CHECK(has(twin, "kScoreRelTerms = 2"));
+  for (const char* hook : {"score_mod", "score_mod_cols"}) {
+    INFO(hook);
+    CHECK(has(hook_body(twin, hook), "= log2f("));
+    CHECK_FALSE(has(hook_body(twin, hook), "flexc_fast_log2("));
+  }
   CHECK(has(bucket, "= log2f("));
   CHECK(has(bucket, "0.693147182f * l"));
   CHECK(has(bucket, "0.5f * score"));
@@ -750,7 +774,7 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
       "(pf + 1.0) / (score * score + 1.0) - tanh(2.0 * score + 1.0) * (pf - 4.0)",
       "score + float(kv_idx - q_idx) * pf / 8.0 - sigmoid(-score / pf + 0.5) * 3.0",
   };
-  const float pf = 2.5f;
+  const float pfs[] = {2.5f, -0.75f};
   const int pi = 3;
   const fs::path dir = fs::temp_directory_path() / fmt::format("flexc_fold_{}", getpid());
   fs::create_directories(dir);
@@ -769,9 +793,11 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
   for (int i = 0; i < 40; ++i)
     scores.push_back(std::uniform_real_distribution<float>(-20, 20)(rng()));
   prog += "int main() {\n  FlexcArgs a{};\n";
-  prog += fmt::format("  a.fparam[0] = {}f; a.iparam[1] = {};\n  const float s[] = {{", pf, pi);
+  prog += fmt::format("  a.iparam[1] = {};\n  const float s[] = {{", pi);
   for (float x : scores) prog += fmt::format("std::bit_cast<float>(0x{}u),", hex_bits(x));
-  prog += "};\n  for (float x : s) {\n";
+  prog += fmt::format("}};\n  const float pfs[] = {{{}f, {}f}};\n", pfs[0], pfs[1]);
+  prog += "  for (float pf : pfs)\n  for (float x : s) {\n";
+  prog += "    a.fparam[0] = pf;\n";
   for (size_t v = 0; v < std::size(mods); ++v)
     prog += fmt::format(
         "    std::printf(\"%a %a\\n\", v{0}::FlexcVariant::score_mod(a, x, 0, 0, 5, 2, 7, 11), "
@@ -780,28 +806,29 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
   prog += "  }\n}\n";
   run_host_program(dir, prog, "");
   std::ifstream out(dir / "out.txt");
-  const double params[] = {pf, static_cast<double>(pi)};
   std::vector<Value> scratch;
-  for (float x : scores)
-    for (size_t v = 0; v < std::size(mods); ++v) {
-      const Graph s = simplify(graphs[v]);
-      Graph dg = s;
-      const NodeId droot = derivative_wrt_score(dg, dg.root);
-      EvalEnv env;
-      env.ints = {0, 0, 0, 5, 2, 7, 11};
-      env.score = x;
-      env.params = params;
-      const double want = evaluate(s, env, Precision::F64, scratch).f;
-      const double want_g = evaluate(dg, droot, env, Precision::F64, scratch).f;
-      std::string got, got_g;
-      out >> got >> got_g;
-      INFO(mods[v] << " at score " << x << ": got " << got << " and " << got_g << ", want " << want
-                   << " and " << want_g);
-      // A few float32 roundings of terms up to 40 in size.
-      CHECK(std::abs(std::strtod(got.c_str(), nullptr) - want) <=
-            1e-5 * std::max(1.0, std::abs(want)) + 2e-5);
-      CHECK(std::abs(std::strtod(got_g.c_str(), nullptr) - want_g) <=
-            1e-5 * std::max(1.0, std::abs(want_g)) + 2e-5);
-    }
+  for (float pf : pfs)
+    for (float x : scores)
+      for (size_t v = 0; v < std::size(mods); ++v) {
+        const double params[] = {pf, static_cast<double>(pi)};
+        const Graph s = simplify(graphs[v]);
+        Graph dg = s;
+        const NodeId droot = derivative_wrt_score(dg, dg.root);
+        EvalEnv env;
+        env.ints = {0, 0, 0, 5, 2, 7, 11};
+        env.score = x;
+        env.params = params;
+        const double want = evaluate(s, env, Precision::F64, scratch).f;
+        const double want_g = evaluate(dg, droot, env, Precision::F64, scratch).f;
+        std::string got, got_g;
+        out >> got >> got_g;
+        INFO(mods[v] << " at score " << x << ", pf " << pf << ": got " << got << " and " << got_g
+                     << ", want " << want << " and " << want_g);
+        // A few float32 roundings of terms up to 40 in size.
+        CHECK(std::abs(std::strtod(got.c_str(), nullptr) - want) <=
+              1e-5 * std::max(1.0, std::abs(want)) + 2e-5);
+        CHECK(std::abs(std::strtod(got_g.c_str(), nullptr) - want_g) <=
+              1e-5 * std::max(1.0, std::abs(want_g)) + 2e-5);
+      }
   fs::remove_all(dir);
 }
