@@ -31,7 +31,9 @@ struct KernelSpec {
 };
 
 struct CompileOptions {
-  bool use_cache = true;  // memory + disk cache (the disk part can also be disabled by env)
+  // memory + disk cache (the disk part can also be disabled by env); false: NVRTC compiles, its
+  // own cache passed by too
+  bool use_cache = true;
 };
 
 // What NVRTC produced (or the cache held), with the spliced source for inspection.
