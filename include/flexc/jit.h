@@ -55,9 +55,8 @@ struct CompiledKernel {
 };
 
 // Compiles `builds` of variant `v` in parallel (or takes them from the caches unless
-// `use_cache` is false: then NVRTC compiles each, past its own cache too), results in the order
-// of `builds`. Throws flexc::Error with the diagnostics mapped back to the variant's expressions
-// or to the template's file and line.
+// `use_cache` is false), results in the order of `builds`. Throws flexc::Error with the
+// diagnostics mapped back to the variant's expressions or to the template's file and line.
 std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const KernelBuild> builds,
                                             bool use_cache = true);
 

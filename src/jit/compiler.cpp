@@ -29,14 +29,6 @@ const std::string& nvrtc_identity() {
   return id;
 }
 
-std::vector<std::string> nvrtc_fresh_options() {
-  const NvrtcApi& api = nvrtc("finding NVRTC");
-  int major = 0, minor = 0;
-  api.nvrtcVersion(&major, &minor);
-  if (major > 12 || (major == 12 && minor >= 9)) return {"--no-cache"};
-  return {};
-}
-
 static std::vector<int> supported_archs() {
   const NvrtcApi& api = nvrtc("listing NVRTC's architectures");
   int n = 0;

@@ -45,10 +45,5 @@ struct NvrtcOutput {
 // Throws flexc::Error with explain_nvrtc_log's text when the unit does not compile.
 NvrtcOutput nvrtc_compile(const Unit& unit, const std::vector<std::string>& options,
                           const ErrorContext& ctx);
-// NVRTC 12.9 and newer can keep what it compiled and answer a program it saw before (a repeat
-// took 45 ms where the compile took 1.2 s, docs/jit.md): the option that makes it compile anyway,
-// for compiles that must run (CompileOptions::use_cache false, bench_jit's cold figures); none
-// for an older NVRTC, which does not know it.
-std::vector<std::string> nvrtc_fresh_options();
 
 }  // namespace flexc::jit

@@ -135,7 +135,7 @@ class Jit {
   }
 
   Obtained obtain(const Prepared& p, bool use_cache) {
-    if (!use_cache) return compile_now(p, nullptr, true);
+    if (!use_cache) return compile_now(p, nullptr);
     std::unique_lock lk(mu_);
     if (auto it = memory_.find(p.key); it != memory_.end()) {
       ++memory_hits_;
@@ -244,14 +244,10 @@ class Jit {
     return compile_now(p, &d);
   }
 
-  // `fresh`: NVRTC's own cache may not answer either (the options, and so the key, stay p's).
-  Obtained compile_now(const Prepared& p, const DiskCache* d, bool fresh = false) {
+  Obtained compile_now(const Prepared& p, const DiskCache* d) {
     const detail::VariantImpl& impl = detail::impl_of(p.variant);
     const ErrorContext ctx{"compiling the " + p.what, p.header, &impl.score, &impl.mask};
-    std::vector<std::string> options = p.options;
-    if (fresh)
-      for (std::string& o : nvrtc_fresh_options()) options.push_back(std::move(o));
-    NvrtcOutput out = nvrtc_compile(p.unit, options, ctx);
+    NvrtcOutput out = nvrtc_compile(p.unit, p.options, ctx);
     auto e = std::make_shared<CacheEntry>(
         CacheEntry{p.description, std::move(out.cubin), std::move(out.ptx)});
     if (d) d->store(p.key, *e);

@@ -31,9 +31,7 @@ struct KernelSpec {
 };
 
 struct CompileOptions {
-  // memory + disk cache (the disk part can also be disabled by env); false: NVRTC compiles, its
-  // own cache passed by too
-  bool use_cache = true;
+  bool use_cache = true;  // memory + disk cache (the disk part can also be disabled by env)
 };
 
 // What NVRTC produced (or the cache held), with the spliced source for inspection.
