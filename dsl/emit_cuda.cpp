@@ -651,12 +651,11 @@ std::string value_hook(const Graph& g, const Decls& decls, std::string_view mark
 // hook's, in node order. The Hopper kernel's loader warps stage them for a whole kv tile in shared
 // memory (templates/attention_tile.cuh, StagedColumns), once per column; score_mod_cols and
 // mask_mod_cols read them from there.
-constexpr size_t kMaxColumnLoads = 2;
 
 std::vector<NodeId> column_loads(const Graph& g) {
   std::vector<NodeId> out;
   const std::vector<char> used = reachable(g, g.root);
-  for (NodeId id = 0; id <= g.root && out.size() < kMaxColumnLoads; ++id) {
+  for (NodeId id = 0; id <= g.root && out.size() < size_t(kMaxColumnLoads); ++id) {
     if (!used[id] || g[id].op != Op::Load) continue;
     const Deps d = dependencies(g, id);
     if (d.reads(Input::KvIdx) && !d.reads(Input::QIdx) && !d.reads(Input::Score))
@@ -785,10 +784,9 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
 // tile in shared memory (templates/attention_tile.cuh, RelTable) and score_mod_cols reads it back:
 // one shared load per score instead of the term's math. Terms are the largest such subexpressions
 // (used by a node that reads the score or an index directly), at most kMaxRelTerms, those whose
-// per-score work weighs at least kRelMinCost (a load or a special function does; alibi's
-// slope[h] * (kv_idx - q_idx), a conversion and a multiply, does not).
-constexpr size_t kMaxRelTerms = 2;
-constexpr int kRelMinCost = 4;
+// per-score work weighs at least kRelMinCost: two operations (alibi's slope[h] * (kv_idx -
+// q_idx), a conversion and a multiply, ran 6-13% faster from the table; docs/perf.md).
+constexpr int kRelMinCost = 2;
 
 bool is_difference(const Graph& g, const Node& n) {
   if (n.op != Op::Sub) return false;
@@ -858,7 +856,7 @@ std::vector<NodeId> relative_terms(const Graph& g) {
   for (NodeId id = 0; id <= g.root; ++id)
     if (term[id] && cost[id] >= kRelMinCost) out.push_back(id);
   std::stable_sort(out.begin(), out.end(), [&](NodeId a, NodeId b) { return cost[a] > cost[b]; });
-  if (out.size() > kMaxRelTerms) out.resize(kMaxRelTerms);
+  if (out.size() > size_t(kMaxRelTerms)) out.resize(kMaxRelTerms);
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -885,6 +883,72 @@ bool tiles_share_heads(const Graph& score, const std::vector<TileLoad>& tiles) {
   return !tiles.empty() && std::none_of(tiles.begin(), tiles.end(), [&](const TileLoad& t) {
     return dependencies(score, t.id).reads(Input::H);
   });
+}
+
+// Row terms (fast precision): score_mod's additive terms that read neither the score nor kv_idx
+// (`qb[h, q_idx]` in `score + qb[h, q_idx]`). Adding the same value to a row's every score leaves
+// its softmax unchanged and adds the value to its LSE, so the forward kernels compute `rest`
+// per score and add the terms to each row's LSE once (templates/attention_tile.cuh,
+// add_row_terms). Exact precision keeps score_mod's rounding order, so it never splits.
+struct RowSplit {
+  Graph rest;  // score_mod without its row terms (the score's graph, nodes added after it)
+  std::vector<std::pair<NodeId, bool>> terms;  // the row terms, each with whether it is negated
+};
+
+// The terms of the sum at `id` (through float + - and unary -), each with whether it is negated.
+void sum_terms(const Graph& g, NodeId id, bool neg, std::vector<std::pair<NodeId, bool>>& out) {
+  const Node& n = g[id];
+  if (n.type == Type::Float && (n.op == Op::Add || n.op == Op::Sub)) {
+    sum_terms(g, n.args[0], neg, out);
+    sum_terms(g, n.args[1], n.op == Op::Sub ? !neg : neg, out);
+  } else if (n.type == Type::Float && n.op == Op::Neg) {
+    sum_terms(g, n.args[0], !neg, out);
+  } else {
+    out.push_back({id, neg});
+  }
+}
+
+// The sum of `terms` added to `g` (0.0 for none): the added ones first, then the negated.
+NodeId sum_of(Graph& g, const std::vector<std::pair<NodeId, bool>>& terms) {
+  std::optional<NodeId> acc;
+  for (const bool neg : {false, true})
+    for (const auto& [id, n] : terms) {
+      if (n != neg) continue;
+      acc = !acc ? (neg ? g.unary(Op::Neg, id) : id) : g.binary(neg ? Op::Sub : Op::Add, *acc, id);
+    }
+  return acc ? *acc : g.constant_float(0.0);
+}
+
+std::optional<RowSplit> split_row_terms(const Graph& score, FloatMath math) {
+  if (math != FloatMath::Fast) return std::nullopt;
+  std::vector<std::pair<NodeId, bool>> terms, rest;
+  RowSplit out{score, {}};
+  sum_terms(score, score.root, false, terms);
+  for (const auto& t : terms) {
+    const Deps d = dependencies(score, t.first);
+    (d.reads(Input::Score) || d.reads(Input::KvIdx) ? rest : out.terms).push_back(t);
+  }
+  if (out.terms.empty()) return std::nullopt;
+  out.rest.root = sum_of(out.rest, rest);
+  return out;
+}
+
+constexpr const char* kRowParams =
+    "const FlexcArgs& a, float base, int b, int h, int q_idx, int kv_idx, int q_len, int kv_len";
+
+// row_terms: `base` (a row's LSE) plus the row terms, summed with their rounding errors carried
+// (flexc_sum2), so that the LSE is rounded once, at the end. Written as score_mod's, they
+// would round once more than per score, where the errors average out over the row's keys:
+// a row shifted by thousands had its LSE 1.4x further from float64 than exact precision's.
+std::string row_terms_hook(const Graph& g, const Decls& decls, FloatMath math,
+                           const std::vector<std::pair<NodeId, bool>>& terms) {
+  BodyWriter w(g, decls, "score_mod", math);
+  for (const auto& t : terms) w.need_value(t.first);
+  std::string body = w.write() + "    float s = base, c = 0.0f;\n";
+  for (const auto& [id, neg] : terms)
+    body += fmt::format("    flexc_sum2(s, c, {});\n",
+                        neg ? fmt::format("-({})", w.ref(id)) : w.ref(id));
+  return hook("float", "row_terms", kRowParams, body + "    return __fadd_rn(s, c);\n");
 }
 
 // The variant name may hold anything: keep it to characters that cannot end the comment.
@@ -933,6 +997,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
   std::vector<TileLayout> tile_layout;
   for (const TileLoad& t : tiles) tile_ids.push_back(t.id), tile_layout.push_back(t.layout);
   const std::vector<NodeId> rel_terms = relative_terms(score);
+  const std::optional<RowSplit> split = split_row_terms(score, in.score_math);
   // One of a layout's fields as a function of the load's number k (0 past the loads).
   const auto field = [&](const std::vector<TileLayout>& l, auto member) {
     std::string s;
@@ -960,14 +1025,18 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  __device__ static constexpr int score_tile_slot(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_tile_dim(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_tile_type(int k) {{ return {}; }}\n"
-      "  static constexpr int kScoreRelTerms = {};\n\n",
+      "  static constexpr int kScoreRelTerms = {};\n"
+      "  static constexpr bool kRowTerms = {};\n"
+      "  static constexpr bool kRowlessIdentity = {};\n\n",
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
       grads_read_score, score_cols.size(), mask_cols.size(), tiles.size(),
-      tiles_share_heads(score, tiles),
-      field(tile_layout, &TileLayout::slot), field(tile_layout, &TileLayout::dim),
-      field(tile_layout, &TileLayout::type), rel_terms.size());
+      tiles_share_heads(score, tiles), field(tile_layout, &TileLayout::slot),
+      field(tile_layout, &TileLayout::dim), field(tile_layout, &TileLayout::type), rel_terms.size(),
+      split.has_value(),
+      split ? is_identity_score(split->rest, split->rest.root)
+            : is_identity_score(score, score.root));
 
   const FloatMath math = in.score_math;
   out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);
@@ -985,6 +1054,21 @@ std::string emit_cuda_variant(const EmitInput& in) {
                       kScoreParams);
   out += columns_hook(mask, decls, "mask_mod", FloatMath::Exact, mask_cols, "bool",
                       "mask_mod_cols", kMaskParams);
+  if (split) {
+    out += value_hook(split->rest, decls, "score_mod", math, "float", "score_mod_rowless",
+                      kScoreParams);
+    out += columns_hook(split->rest, decls, "score_mod", math, read_from_cv, "float",
+                        "score_mod_rowless_cols", kScoreParams);
+    out += row_terms_hook(score, decls, math, split->terms);
+  } else {
+    constexpr const char* kArgs = "a, score, b, h, q_idx, kv_idx, q_len, kv_len";
+    out += hook("float", "score_mod_rowless", kScoreParams,
+                fmt::format("    return score_mod({});\n", kArgs));
+    out += hook("float", "score_mod_rowless_cols",
+                fmt::format("{}, const unsigned* cv", kScoreParams).c_str(),
+                fmt::format("    return score_mod_cols({}, cv);\n", kArgs));
+    out += hook("float", "row_terms", kRowParams, "    return base;\n");
+  }
 
   BodyWriter w(cg, decls, "score_mod", math);
   for (const LoadDerivative& ld : loads) {

@@ -51,4 +51,11 @@ struct LaunchFacts {
 };
 LaunchFacts launch_facts(const EmitInput& in);
 
+// The most any variant's hooks stage per launch: kMaxColumnLoads column loads of score_mod and as
+// many of mask_mod's, kMaxRelTerms relative terms. A kernel configuration that must fit shared
+// memory for every variant reserves kMostLaunchFacts' bytes.
+inline constexpr int kMaxColumnLoads = 2;
+inline constexpr int kMaxRelTerms = 2;
+inline constexpr LaunchFacts kMostLaunchFacts{false, kMaxRelTerms, 2 * kMaxColumnLoads};
+
 }  // namespace flexc::dsl

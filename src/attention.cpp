@@ -102,8 +102,10 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
            8 * (2 + 7 * c.stages) + 4 * (12 + 2 * c.stages) + 1024;
   };
   // 128-wide kv tiles where O leaves the registers for them (Dv <= 128) and K and V fit twice
-  // (MLA's D 192 / Dv 128 does: 209 KiB); 64 otherwise.
-  if (v_head_dim > 128 || smem(128) > 227 * 1024) c.block_n = 64;
+  // with the most any variant's hooks add (MLA's D 192 / Dv 128 does: 209 KiB and 7 KiB); 64
+  // otherwise (D 256 / Dv 64's 225 KiB with a relative term's tables did not fit).
+  if (v_head_dim > 128 || smem(128) + fwd_hook_bytes(dsl::kMostLaunchFacts, c, true) > 227 * 1024)
+    c.block_n = 64;
   c.smem_bytes = smem(c.block_n);
   return c;
 }

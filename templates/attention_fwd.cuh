@@ -14,6 +14,7 @@
 // and the output; FlexAttention's Ev, e.g. 128 against 192), FLEXC_BF16 (1: bf16, 0: fp16),
 // FLEXC_BLOCK_M, FLEXC_BLOCK_N, FLEXC_WARPS, FLEXC_STAGES. No length is baked in: lengths,
 // strides, scale and params are kernel arguments, so they change without recompiling.
+#define FLEXC_ROWS_APART 1  // score_mod's row terms go to the LSE (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_mma.cuh"
@@ -190,5 +191,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   // any more) for coalesced stores.
   float inv_sum[kMT][2], lse[kMT][2];
   softmax.finish(flexc_attn::units_log2(p), flexc_attn::units_ln(p), inv_sum, lse);
+  flexc_attn::add_row_terms(inv_sum, lse, p, args, b, h, row0);
   flexc_attn::store_rows<OTile, kBf16>(acc, inv_sum, lse, smem, warp * kWarpRows, p, b, h, row0);
 }

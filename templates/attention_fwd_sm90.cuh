@@ -25,6 +25,7 @@
 // (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
 // and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item).
+#define FLEXC_ROWS_APART 1  // score_mod's row terms go to the LSE (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"
@@ -554,6 +555,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     }
     float inv_sum[1][2], lse[1][2];
     softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
+    flexc_attn::add_row_terms(inv_sum, lse, p, args, b, h, row0);
     if constexpr (kSeparateO) {
       __syncwarp();  // the warp's reads of its rows of the last item's O are done
       flexc_attn::store_rows<OTile, kBf16>(o, inv_sum, lse, q_smem + (sm.o - sm.q), warp * 16, p,

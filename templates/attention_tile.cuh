@@ -48,6 +48,16 @@ __device__ __forceinline__ void put_f32x2(float* at, float x, float y) {
   }
   *reinterpret_cast<float2*>(at) = v;
 }
+// A kernel built with FLEXC_ROWS_APART (the forward kernels) computes score_mod without its row
+// terms (FlexcVariant::kRowTerms) and adds them to each row's LSE in its epilogue
+// (add_row_terms): a value added to a row's every score changes only its LSE.
+#ifndef FLEXC_ROWS_APART
+#define FLEXC_ROWS_APART 0
+#endif
+constexpr bool kRowsApart = FLEXC_ROWS_APART != 0 && FlexcVariant::kRowTerms;
+// score_mod as this kernel computes it is the identity.
+constexpr bool kIdentityScore =
+    kRowsApart ? FlexcVariant::kRowlessIdentity : FlexcVariant::kIdentityScore;
 __device__ __forceinline__ int kv_pos0(const FlexcAttentionParams& p) {
   return kPositions ? p.kv_pos0 : 0;
 }
@@ -571,7 +581,7 @@ struct ScoreTile {
       float (&s)[MT][NT][4], float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
       const FlexcAttentionParams& p, const FlexcArgs& args, int b, const Idx& idx, int row0,
       int col0, bool partial, const Columns* cols = nullptr) {
-    if constexpr (!FlexcVariant::kIdentityScore) {
+    if constexpr (!kIdentityScore) {
       for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool) {
         const float x = s[i][j][e] * p.scale;
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
@@ -592,13 +602,18 @@ struct ScoreTile {
             for (int k = 0; k < kRelTerms; ++k)
               cv[kScoreCols + kScoreTiles + k] =
                   cols->rel[k * kRelStride + 8 * j + (e & 1) - 16 * i - 8 * (e >> 1)];
-            s[i][j][e] = FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                                      hook_kv_len(p), cv);
+            s[i][j][e] =
+                kRowsApart ? FlexcVariant::score_mod_rowless_cols(args, x, b, h, q_idx, kv_idx,
+                                                                  hook_q_len(p), hook_kv_len(p), cv)
+                           : FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx,
+                                                          hook_q_len(p), hook_kv_len(p), cv);
             return;
           }
         }
-        s[i][j][e] =
-            FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p), hook_kv_len(p));
+        s[i][j][e] = kRowsApart ? FlexcVariant::score_mod_rowless(args, x, b, h, q_idx, kv_idx,
+                                                                  hook_q_len(p), hook_kv_len(p))
+                                : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx,
+                                                          hook_q_len(p), hook_kv_len(p));
       });
     }
     // Where registers are TIGHT, the mask and the edge read the columns again, computed anew from
@@ -607,7 +622,7 @@ struct ScoreTile {
     // tiles: D 64's 192-row tiles spilled under any mask with a per-key float term). Not
     // elsewhere: it cost prefix_alibi 4-5% at D 128 (docs/perf.md).
     Idx fresh = idx;
-    if constexpr (TIGHT && !FlexcVariant::kIdentityScore) {
+    if constexpr (TIGHT && !kIdentityScore) {
       int c0 = col0;
       asm volatile("" : "+r"(c0));
       fresh.set_cols(c0, R == Rows::Q ? p.kv_len : p.q_len,
@@ -650,10 +665,10 @@ struct ScoreTile {
 
 // Softmax units -> log2 and -> natural log (see ScoreTile::apply_mods).
 __device__ __forceinline__ float units_log2(const FlexcAttentionParams& p) {
-  return FlexcVariant::kIdentityScore ? p.scale_log2 : 1.4426950408889634f;
+  return kIdentityScore ? p.scale_log2 : 1.4426950408889634f;
 }
 __device__ __forceinline__ float units_ln(const FlexcAttentionParams& p) {
-  return FlexcVariant::kIdentityScore ? p.scale : 1.f;
+  return kIdentityScore ? p.scale : 1.f;
 }
 
 // The pre-mod scores (scale * q.k) of a warp's fragment tile, kept before the hooks overwrite
@@ -783,6 +798,36 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], F
     __syncwarp();
     store_staged<Tile, MT * 16>(tile, tile_row, static_cast<unsigned short*>(out), stride, row0,
                                 len);
+  }
+}
+
+// score_mod's row terms (kRowsApart) added to the LSE of each row of a warp's from q row `row0`,
+// after OnlineSoftmax::finish. A row with keys whose terms sum to -inf has all its scores -inf:
+// no key, output 0; +inf or NaN make it NaN, as they would in its scores. Rows without keys
+// (LSE -inf) and NaN rows stay as they are.
+template <int MT>
+__device__ __forceinline__ void add_row_terms(float (&inv_sum)[MT][2], float (&lse)[MT][2],
+                                              const FlexcAttentionParams& p,
+                                              const FlexcArgs& args, int b, int h, int row0) {
+  if constexpr (kRowsApart) {
+    const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int q_idx = min(row0 + i * 16 + g + r * 8, p.q_len - 1) + p.q_pos0;
+        const float l = lse[i][r];
+        if (l == neg_inf() || l != l) continue;
+        const float t = FlexcVariant::row_terms(args, l, b, h, q_idx, kv_pos0(p),
+                                                hook_q_len<true>(p), hook_kv_len(p));
+        if (fabsf(t) < __int_as_float(0x7f800000)) {
+          lse[i][r] = t;
+        } else {
+          const float nan = __int_as_float(0x7fffffff);
+          lse[i][r] = t == neg_inf() ? neg_inf() : nan;
+          inv_sum[i][r] = t == neg_inf() ? 0.f : nan;
+        }
+      }
   }
 }
 

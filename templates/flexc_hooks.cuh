@@ -62,6 +62,17 @@
 //   static constexpr int kScoreRelTerms;
 //   __device__ static void score_rel_terms(const FlexcArgs& a, int b, int h, int d, int q_len,
 //                                          int kv_len, unsigned* tv);
+//   // Row terms (kRowTerms; fast precision only): score_mod's additive terms reading neither the
+//   // score nor kv_idx. score_mod == row_terms(score_mod_rowless, ...) up to rounding; a forward
+//   // kernel may compute the rowless scores and add the row terms to each row's LSE:
+//   // row_terms(base, ...) is base plus the terms, rounded once (flexc_sum2). Without row terms,
+//   // the rowless hooks are score_mod's and row_terms returns base.
+//   static constexpr bool kRowTerms;
+//   static constexpr bool kRowlessIdentity;  // score_mod_rowless(score, ...) == score
+//   __device__ static float score_mod_rowless(/* score_mod's parameters */);
+//   __device__ static float score_mod_rowless_cols(/* score_mod_cols' parameters */);
+//   __device__ static float row_terms(const FlexcArgs& a, float base, int b, int h, int q_idx,
+//                                     int kv_idx, int q_len, int kv_len);
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in
@@ -226,6 +237,15 @@ __device__ __forceinline__ float flexc_fast_div(float a, float b) { return a / b
 // form alone (2^-22 absolute there) moved a softcap's LSE past the tolerance rule at short KV
 // lengths (docs/perf.md, "Tried: cheaper tanh forms").
 __device__ __forceinline__ float flexc_fast_tanh(float x) { return tanhf(x); }
+// s += x with the addition's rounding error carried into c (Knuth's two-sum), so that s + c
+// rounds a sum of floats once (row_terms). Where s turns infinite or NaN, c stays: the sum is
+// then what plain additions give.
+__device__ __forceinline__ void flexc_sum2(float& s, float& c, float x) {
+  const float t = __fadd_rn(s, x), v = __fsub_rn(t, s);
+  const float e = __fadd_rn(__fsub_rn(s, __fsub_rn(t, v)), __fsub_rn(x, v));
+  c = __fadd_rn(c, e == e && fabsf(e) != __int_as_float(0x7f800000) ? e : 0.0f);
+  s = t;
+}
 
 // A captured tensor's index wraps: floored modulo the dimension, n >= 1 (fixed extents are
 // validated; a symbolic dim is a length, and hooks are called only when it is >= 1, see above).

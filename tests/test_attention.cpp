@@ -670,6 +670,14 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
     CHECK(c.smem_bytes <= 227 * 1024);
     CHECK(c.block_n == (d > 128 ? 64 : 128));
   }
+  // Every pair of head dims and q tile, with the most shared memory any variant's hooks add.
+  for (int d : {64, 96, 128, 192, 256})
+    for (int dv : {64, 96, 128, 192, 256})
+      for (int bm : {0, 128}) {
+        const detail::TileConfig c = detail::fwd_config_sm90(d, dv, bm);
+        INFO("D " << d << " Dv " << dv << " block_m " << c.block_m);
+        CHECK(c.smem_bytes + detail::fwd_hook_bytes(dsl::kMostLaunchFacts, c, true) <= 227 * 1024);
+      }
   for (FwdKernel fk : {FwdKernel::Auto, FwdKernel::Portable, FwdKernel::Hopper})
     CHECK(parse_fwd_kernel(to_string(fk)) == fk);
   CHECK_THROWS_WITH(parse_fwd_kernel("hoper"),
@@ -703,8 +711,12 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
                     Contains("no 192-row q tiles for head dims 128 / 128"));
   // Different q / k and v head dims: tiles for the wider, shared memory for both.
   // 128-wide kv tiles while O (Dv) leaves the registers and K / V fit twice (MLA's 192 / 128).
-  for (auto [d, dv, block_n] : {std::tuple{192, 128, 128}, {128, 192, 64}, {64, 256, 64},
-                                {256, 64, 128}, {96, 64, 128}, {256, 128, 64}}) {
+  for (auto [d, dv, block_n] : {std::tuple{192, 128, 128},
+                                {128, 192, 64},
+                                {64, 256, 64},
+                                {256, 64, 64},
+                                {96, 64, 128},
+                                {256, 128, 64}}) {
     INFO("D " << d << " Dv " << dv);
     const int wide = std::max(d, dv);
     CHECK(detail::fwd_config(d, dv).block_m == detail::fwd_config(wide, wide).block_m);
@@ -728,7 +740,25 @@ TEST_CASE("the forward kernel has a configuration per head dim and compiles for 
     specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 64, 256}));
     specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", dtype, 64, 64, 128}));
   }
-  const std::vector<jit::Compiled> out = jit::compile_all(v, specs);
+  std::vector<jit::Compiled> out = jit::compile_all(v, specs);
+  // The most shared memory hooks add (two relative terms' tables, two column loads of each mod)
+  // where the tiles leave the least: MLA's 192 / 128, D 256 / Dv 64.
+  const Variant most = Variant::from_strings(
+      "score + kvb[kv_idx] - kvc[kv_idx] + exp(-abs(q_idx - kv_idx) / 256.0) + "
+      "rel[clamp(kv_idx - q_idx, -255, 255) + 255]",
+      "doc[kv_idx] == doc[q_idx] && keep[kv_idx]",
+      {{"kvb", "float32", {"KV_LEN"}},
+       {"kvc", "float32", {"KV_LEN"}},
+       {"rel", "float32", {"511"}},
+       {"doc", "int32", {"KV_LEN"}},
+       {"keep", "bool", {"KV_LEN"}}});
+  const size_t first_most = specs.size();
+  for (auto [d, dv] : {std::pair{192, 128}, {256, 64}})
+    specs.push_back(jit::attention_fwd_sm90_spec({"sm_90", "bf16", d, dv}));
+  const std::vector<jit::Compiled> out_most =
+      jit::compile_all(most, std::vector(specs.begin() + first_most, specs.end()));
+  REQUIRE(dsl::launch_facts(detail::emit_input(detail::impl_of(most))).score_rel_terms == 2);
+  out.insert(out.end(), out_most.begin(), out_most.end());
   for (size_t i = 0; i < out.size(); ++i) {
     INFO(fmt::format("{}", fmt::join(specs[i].defines | std::views::transform([](auto& p) {
                                        return p.first + "=" + p.second;
@@ -1012,8 +1042,11 @@ flexc::DeviceBuffer to_device(const GpuCase& c, const std::vector<float>& x, int
 // Runs the kernel with poisoned outputs and checks at most `max_rows` random rows (all when
 // fewer) against the reference.
 // `given`: these inputs instead of fresh random ones (to compare two runs on the same inputs).
+// `given` / `given_caps`: these inputs instead of fresh random ones (one capture per the
+// variant's, in its order), to compare two variants on the same ones.
 Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
-                  const Problem* given = nullptr) {
+                  const Problem* given = nullptr,
+                  const std::vector<npy::Array>* given_caps = nullptr) {
   const int64_t Dv = c.dv();
   const Problem p = given ? *given : Problem(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype, Dv);
   TensorView q, k, vv, out;
@@ -1042,7 +1075,8 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   std::vector<flexc::DeviceBuffer> dcaps;
   caps.reserve(v.captures().size());
   for (const CaptureSpec& cs : v.captures()) {
-    caps.push_back(random_capture(cs, c.B, c.Hq, c.seq_q(), c.seq_kv()));
+    caps.push_back(given_caps ? given_caps->at(caps.size())
+                              : random_capture(cs, c.B, c.Hq, c.seq_q(), c.seq_kv()));
     dcaps.emplace_back(std::max<size_t>(caps.back().bytes.size(), 16));
     dcaps.back().upload(caps.back().bytes.data(), caps.back().bytes.size());
     opts.captures[cs.name] = TensorView{dcaps.back().get(), caps.back().dtype, caps.back().shape, {}};
@@ -1656,6 +1690,45 @@ TEST_CASE("accumulate merges calls over parts of the keys into one softmax", "[g
         CHECK(a.pass);
         // Unrounded: nearer float64 than the reference, which rounds the output once.
         CHECK(a.out_rmse < a.out_ref_rmse);
+      }
+}
+
+TEST_CASE("row terms added to the LSE instead of every score match the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Fast precision: the forward kernels compute score_mod without its terms of q_idx alone and
+  // add them to each row's LSE. A per-query bias (the scores then the identity); a subtracted,
+  // scaled one beside a per-key term, rows whose term is -inf (no key: 0 and -inf) and rows
+  // shifted by thousands (which rounded every score when added to it); no score at all (a
+  // uniform softmax). At positions, and checked against exact precision's error too.
+  const std::vector<CaptureSpec> caps{{"qb", "float32", {"H", "Q_LEN"}},
+                                      {"kvb", "float32", {"KV_LEN"}}};
+  const Variant q_bias = Variant::from_strings("score + qb[h, q_idx]", "true", caps, {}, "q_bias");
+  const Variant mixed = Variant::from_strings(
+      "score * 0.5 - qb[h, q_idx] * 2.0 + kvb[kv_idx] + "
+      "where(q_idx % 29 == 3, log(0.0), float(q_idx % 7) * 1000.0)",
+      "kv_idx <= q_idx + 40", caps, {}, "mixed");
+  const Variant rows_only =
+      Variant::from_strings("qb[h, q_idx] * 3.0", "kv_idx <= q_idx", caps, {}, "rows_only");
+  for (const Variant* v : {&q_bias, &mixed, &rows_only})
+    for (int64_t d : {64, 128})
+      for (FwdKernel kernel : kernels_for(d)) {
+        REQUIRE(v->precision() == Precision::Fast);
+        GpuCase c{
+            d == 64 ? DType::BF16 : DType::F16, 2, 4, 2, 203, 333, d, false, 0, true, {}, kernel};
+        check_at_offsets(*v, c);
+        c.q_offset = c.kv_offset = c.seq_q_len = c.seq_kv_len = 0;
+        const Problem p(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype);
+        std::vector<npy::Array> cv;
+        for (const CaptureSpec& cs : v->captures())
+          cv.push_back(random_capture(cs, c.B, c.Hq, c.Lq, c.Lkv));
+        const Variant exact = v->with_precision(Precision::Exact);
+        const Accuracy a_fast = run_case(*v, c, 4096, &p, &cv),
+                       a_exact = run_case(exact, c, 4096, &p, &cv);
+        INFO(v->name() << ": " << c.describe() << "\n  fast  " << a_fast.summary() << "\n  exact "
+                       << a_exact.summary());
+        CHECK(a_fast.pass);
+        CHECK(a_fast.out_rmse <= 1.1 * a_exact.out_rmse + 1e-7);
+        CHECK(a_fast.lse_rmse <= 1.1 * a_exact.lse_rmse + 1e-6);
       }
 }
 

@@ -88,6 +88,33 @@ TEST_CASE("emitted facts follow the mods", "[emit]") {
   CHECK(has(cmp, "kMaskReadsB = true;"));
 }
 
+TEST_CASE("fast precision splits off score_mod's row terms", "[emit]") {
+  Decls d;
+  d.captures.push_back({"qb", DType::F32, {{Dim::H}, {Dim::QLen}}});
+  d.captures.push_back({"kvb", DType::F32, {{Dim::KvLen}}});
+  const auto fast = [&](std::string_view score) {
+    const Parsed p = parse(score, "true", d);
+    return emit_cuda_variant({&p.score.graph, &p.mask.graph, &p.decls, "t", FloatMath::Fast});
+  };
+  // `score + qb[h, q_idx]`: the scores are the identity; the row's load is row_terms'.
+  const std::string qb = fast("score + qb[h, q_idx]");
+  CHECK(has(qb, "kIdentityScore = false;"));
+  CHECK(has(qb, "kRowTerms = true;"));
+  CHECK(has(qb, "kRowlessIdentity = true;"));
+  const size_t row_hook = qb.find("row_terms(");
+  REQUIRE(row_hook != std::string::npos);
+  CHECK(qb.find("flexc_load_f32(a.captures[0]", row_hook) != std::string::npos);
+  // A term reading kv_idx stays with the scores; a subtracted row term (and a constant) splits.
+  const std::string kv = fast("score + kvb[kv_idx] - qb[h, q_idx] * 2.0 + 1.0");
+  CHECK(has(kv, "kRowTerms = true;"));
+  CHECK(has(kv, "kRowlessIdentity = false;"));
+  // Nothing to split: a row term under a product, or no row term.
+  CHECK(has(fast("score * qb[h, q_idx]"), "kRowTerms = false;"));
+  CHECK(has(fast("score + kvb[kv_idx]"), "kRowTerms = false;"));
+  // Exact precision keeps score_mod's rounding order: never split.
+  CHECK(has(emit(parse("score + qb[h, q_idx]", "true", d)), "kRowTerms = false;"));
+}
+
 TEST_CASE("score_mod's loads indexed by kv_idx alone are column loads", "[emit]") {
   Decls d;
   d.captures.push_back({"kvb", DType::BF16, {{Dim::H}, {Dim::KvLen}}});
@@ -171,11 +198,13 @@ TEST_CASE("score_mod's costly terms in kv_idx - q_idx alone are relative terms",
               "float(abs(q_idx - kv_idx) // 64) * 0.01") == 2);
   CHECK(terms("sqrt(float(abs(kv_idx - q_idx))) * score + log(1.0 + float(abs(q_idx - kv_idx))) "
               "+ cos(float(kv_idx - q_idx))") == 2);
-  // Not: alibi's multiply (cheap), a term that also reads q_idx or the score, no difference.
-  for (const char* mod : {"score + slope[h] * (kv_idx - q_idx)",
-                          "score + exp(float(kv_idx - q_idx) / float(q_idx + 1))",
-                          "exp(score * float(kv_idx - q_idx) / 64.0)",
-                          "score + exp(float(kv_idx + q_idx) / 64.0)", "score"}) {
+  // Alibi's conversion and multiply: two operations, a term; one operation is not.
+  CHECK(terms("score + slope[h] * (kv_idx - q_idx)") == 1);
+  // Not: a single operation, a term that also reads q_idx or the score, no difference.
+  for (const char* mod :
+       {"score + float(kv_idx - q_idx)", "score + exp(float(kv_idx - q_idx) / float(q_idx + 1))",
+        "exp(score * float(kv_idx - q_idx) / 64.0)", "score + exp(float(kv_idx + q_idx) / 64.0)",
+        "score"}) {
     INFO(mod);
     CHECK(terms(mod) == 0);
   }
@@ -773,6 +802,10 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
       "pf - (score + pf) * float(pi) + exp2(0.5 * score - pf)",
       "(pf + 1.0) / (score * score + 1.0) - tanh(2.0 * score + 1.0) * (pf - 4.0)",
       "score + float(kv_idx - q_idx) * pf / 8.0 - sigmoid(-score / pf + 0.5) * 3.0",
+      // Row terms (score_mod_rowless + row_terms): a rest that is negated, one of kv_idx, none.
+      "pf * float(q_idx + 1) - score - 2.0",
+      "score * 0.5 - (float(q_idx) * pf - float(kv_idx)) + exp(float(q_idx) / 4.0)",
+      "float(q_idx) / pf",
   };
   const float pfs[] = {2.5f, -0.75f};
   const int pi = 3;
@@ -800,8 +833,10 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
   prog += "    a.fparam[0] = pf;\n";
   for (size_t v = 0; v < std::size(mods); ++v)
     prog += fmt::format(
-        "    std::printf(\"%a %a\\n\", v{0}::FlexcVariant::score_mod(a, x, 0, 0, 5, 2, 7, 11), "
-        "v{0}::FlexcVariant::score_mod_grad(a, x, 0, 0, 5, 2, 7, 11));\n",
+        "    std::printf(\"%a %a %a\\n\", v{0}::FlexcVariant::score_mod(a, x, 0, 0, 5, 2, 7, 11), "
+        "v{0}::FlexcVariant::score_mod_grad(a, x, 0, 0, 5, 2, 7, 11), "
+        "v{0}::FlexcVariant::row_terms(a, v{0}::FlexcVariant::score_mod_rowless(a, x, 0, 0, 5, "
+        "2, 7, 11), 0, 0, 5, 0, 7, 11));\n",
         v);
   prog += "  }\n}\n";
   run_host_program(dir, prog, "");
@@ -820,12 +855,15 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
         env.params = params;
         const double want = evaluate(s, env, Precision::F64, scratch).f;
         const double want_g = evaluate(dg, droot, env, Precision::F64, scratch).f;
-        std::string got, got_g;
-        out >> got >> got_g;
-        INFO(mods[v] << " at score " << x << ", pf " << pf << ": got " << got << " and " << got_g
-                     << ", want " << want << " and " << want_g);
+        std::string got, got_g, got_split;
+        out >> got >> got_g >> got_split;
+        INFO(mods[v] << " at score " << x << ", pf " << pf << ": got " << got << ", " << got_g
+                     << " and (rows apart) " << got_split << ", want " << want << " and "
+                     << want_g);
         // A few float32 roundings of terms up to 40 in size.
         CHECK(std::abs(std::strtod(got.c_str(), nullptr) - want) <=
+              1e-5 * std::max(1.0, std::abs(want)) + 2e-5);
+        CHECK(std::abs(std::strtod(got_split.c_str(), nullptr) - want) <=
               1e-5 * std::max(1.0, std::abs(want)) + 2e-5);
         CHECK(std::abs(std::strtod(got_g.c_str(), nullptr) - want_g) <=
               1e-5 * std::max(1.0, std::abs(want_g)) + 2e-5);
