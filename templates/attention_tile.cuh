@@ -557,6 +557,14 @@ struct ScoreTile {
     return __float_as_uint(f);
   }
 
+  // Staged load k's word for score (j, e) (StagedColumns::View): both columns of the pair in one
+  // 8-byte shared load, which the tile's other scores of column tile j share.
+  __device__ __forceinline__ static unsigned staged_word(const unsigned* view, int k, int j,
+                                                         int e) {
+    const uint2 w = *reinterpret_cast<const uint2*>(view + k * NT * 8 + 8 * j);
+    return e & 1 ? w.y : w.x;
+  }
+
   // score_mod on scale * q.k, then the mask (FlexAttention's order), for the tile at (row0,
   // col0). Leaves scores in the units OnlineSoftmax expects: raw q.k for an identity score_mod
   // (the softmax scale folds into the exponent), score_mod's output otherwise; masked ones -inf.
@@ -593,7 +601,7 @@ struct ScoreTile {
           if (cols) {
             unsigned cv[kScoreWords > 0 ? kScoreWords : 1];
 #pragma unroll
-            for (int k = 0; k < kScoreCols; ++k) cv[k] = cols->staged[k * NT * 8 + 8 * j + (e & 1)];
+            for (int k = 0; k < kScoreCols; ++k) cv[k] = staged_word(cols->staged, k, j, e);
 #pragma unroll
             for (int k = 0; k < kScoreTiles; ++k)
               cv[kScoreCols + k] = unpack(FlexcVariant::score_tile_type(k),
@@ -636,7 +644,7 @@ struct ScoreTile {
             unsigned cv[kMaskCols > 0 ? kMaskCols : 1];
 #pragma unroll
             for (int k = 0; k < kMaskCols; ++k)
-              cv[k] = cols->staged[(kScoreCols + k) * NT * 8 + 8 * j + (e & 1)];
+              cv[k] = staged_word(cols->staged, kScoreCols + k, j, e);
             keep = FlexcVariant::mask_mod_cols(args, b, h, q_idx, kv_idx, hook_q_len(p),
                                                hook_kv_len(p), cv);
           } else {
