@@ -26,6 +26,7 @@
 //
 // Compile-time configuration (KernelSpec defines): FLEXC_HEAD_DIM, FLEXC_BF16, FLEXC_BLOCK_M (q
 // rows per step), FLEXC_BLOCK_N (kv rows per CTA), FLEXC_WARPS, FLEXC_DETERMINISTIC.
+#define FLEXC_ROWS_APART 1  // score_mod's row terms come off the LSE (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "tile_mma.cuh"
 
@@ -137,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     const long long base = (static_cast<long long>(b) * p.q_heads + fetch_h) * p.q_len;
     for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
       const int q = q0 + r;
-      lse2_of(stage)[r] = lse_log2(p.lse, base + q, q < p.q_len);
+      lse2_of(stage)[r] = flexc_attn::row_lse_log2(p, args, b, fetch_h, q);
       delta_of(stage)[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
     }
     return true;
@@ -353,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int q = row0 + (lane >> 2) + r * 8;
-    lse2[r] = lse_log2(p.lse, base + q, q < p.q_len);
+    lse2[r] = flexc_attn::row_lse_log2(p, args, b, h, q);
     delta[r] = q < p.q_len ? bp.delta[base + q] : 0.f;
   }
   const auto frag_a_q = FragAddr<QTile>::a();

@@ -27,6 +27,7 @@
 // Compile-time configuration (src/attention_backward.cpp's bwd_config_sm90): FLEXC_HEAD_DIM
 // (64 or 128), FLEXC_BF16, FLEXC_BLOCK_M (64 q rows per step), FLEXC_BLOCK_N (128 kv rows per CTA),
 // FLEXC_DETERMINISTIC.
+#define FLEXC_ROWS_APART 1  // score_mod's row terms come off the LSE (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"
@@ -94,7 +95,8 @@ struct Smem {
 __device__ __forceinline__ void produce(const Smem& sm, const FlexcAttentionBwdParams& bp,
                                         const FlexcTensorMap& tq, const FlexcTensorMap& tdo,
                                         const FlexcTensorMap& tk, const FlexcTensorMap& tv,
-                                        Steps steps, int kv0, int h_kv, int b) {
+                                        const FlexcArgs& args, Steps steps, int kv0, int h_kv,
+                                        int b) {
   const FlexcAttentionParams& p = bp.fwd;
   const int lane = threadIdx.x & 31;
   if (lane == 0) {
@@ -114,7 +116,7 @@ __device__ __forceinline__ void produce(const Smem& sm, const FlexcAttentionBwdP
 #pragma unroll
     for (int r = lane; r < kBlockM; r += 32) {
       const int q = q0 + r;
-      st_shared(sm.lse2(s) + 4 * r, lse_log2(p.lse, base + q, q < p.q_len));
+      st_shared(sm.lse2(s) + 4 * r, flexc_attn::row_lse_log2(p, args, b, hq, q));
       st_shared(sm.delta(s) + 4 * r, q < p.q_len ? bp.delta[base + q] : 0.f);
     }
     if (lane == 0) {
@@ -355,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd90::kThreads, 1)
   if (wg == 0) {
     regs_dec<kProducerRegs>();
     if (threadIdx.x < 32)
-      produce(sm, bp, tq, tdo, tk, tv, steps, kv0, h_kv, b);
+      produce(sm, bp, tq, tdo, tk, tv, args, steps, kv0, h_kv, b);
     return;
   }
   regs_inc<kConsumerRegs>();

@@ -48,9 +48,10 @@ __device__ __forceinline__ void put_f32x2(float* at, float x, float y) {
   }
   *reinterpret_cast<float2*>(at) = v;
 }
-// A kernel built with FLEXC_ROWS_APART (the forward kernels) computes score_mod without its row
-// terms (FlexcVariant::kRowTerms) and adds them to each row's LSE in its epilogue
-// (add_row_terms): a value added to a row's every score changes only its LSE.
+// A kernel built with FLEXC_ROWS_APART (the forward and backward kernels) computes score_mod
+// without its row terms (FlexcVariant::kRowTerms): a value added to a row's every score changes
+// only its LSE. The forward adds them to each row's LSE in its epilogue (add_row_terms), the
+// backward takes them off the LSE it reads (row_lse_log2).
 #ifndef FLEXC_ROWS_APART
 #define FLEXC_ROWS_APART 0
 #endif
@@ -807,6 +808,21 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], F
     store_staged<Tile, MT * 16>(tile, tile_row, static_cast<unsigned short*>(out), stride, row0,
                                 len);
   }
+}
+
+// A backward kernel's row of query `q` (head h of batch b): its LSE in log2 units as lse_log2
+// gives it, less score_mod's row terms where the kernel computes the rowless scores (kRowsApart),
+// so that P is what the forward computed. (The terms come off with their rounding errors
+// carried: row_terms(-lse) negated.)
+__device__ __forceinline__ float row_lse_log2(const FlexcAttentionParams& p,
+                                              const FlexcArgs& args, int b, int h, int q) {
+  const bool valid = q < p.q_len;
+  float l = valid ? p.lse[(static_cast<long long>(b) * p.q_heads + h) * p.q_len + q] : neg_inf();
+  if constexpr (kRowsApart)
+    if (l != neg_inf() && l == l)
+      l = -FlexcVariant::row_terms(args, -l, b, h, q + (kPositions ? p.q_pos0 : 0),
+                                   kv_pos0(p), hook_q_len<false>(p), hook_kv_len(p));
+  return l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
 }
 
 // score_mod's row terms (kRowsApart) added to the LSE of each row of a warp's from q row `row0`,

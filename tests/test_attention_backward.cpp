@@ -567,6 +567,40 @@ TEST_CASE("backward: derivatives other than 1 and learnable biases against the r
     }
 }
 
+TEST_CASE("backward: row terms taken off the LSE against the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Fast precision's row terms (added to the forward's LSE, taken off it by the backward, whose
+  // scores leave them out too): a learnable per-query bias (its gradient is the LSE's), one beside
+  // a per-key term with rows of -inf (no key) and rows shifted by thousands, rows only. At
+  // positions too.
+  const std::vector<CaptureSpec> caps{{"qb", "float32", {"H", "Q_LEN"}},
+                                      {"kvb", "float32", {"KV_LEN"}}};
+  const Variant variants[] = {
+      Variant::from_strings("score + qb[h, q_idx]", "true", caps, {}, "q_bias"),
+      Variant::from_strings("score * 0.5 - qb[h, q_idx] * 2.0 + kvb[kv_idx] + "
+                            "where(q_idx % 29 == 3, log(0.0), float(q_idx % 7) * 1000.0)",
+                            "kv_idx <= q_idx + 40", caps, {}, "mixed"),
+      Variant::from_strings("qb[h, q_idx] * 3.0", "kv_idx <= q_idx", caps, {}, "rows_only"),
+  };
+  BwdCase at_positions{DType::BF16, 1, 4, 2, 150, 203, 128, true, false, true};
+  at_positions.q_offset = 200, at_positions.kv_offset = 301;
+  at_positions.seq_q_len = 600, at_positions.seq_kv_len = 700;
+  const BwdCase shapes[] = {
+      {DType::BF16, 2, 4, 2, 17, 129, 64, true, false, true},
+      {DType::F16, 1, 8, 2, 200, 77, 128, true, true, false},
+      {DType::BF16, 2, 2, 2, 129, 300, 64, true, false, true},
+      at_positions,
+  };
+  for (const Variant& v : variants)
+    for (const BwdCase& c : shapes) {
+      REQUIRE(v.precision() == Precision::Fast);
+      INFO(v.name() << ": " << c.describe());
+      const BackwardAccuracy a = run_backward_case(v, c);
+      INFO(a.summary());
+      CHECK(a.pass);
+    }
+}
+
 TEST_CASE("backward: float32 gradients are the gradients unrounded, or added into", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // Ring attention sums its blocks' dq, dk, dv in float32 and rounds once. The same inputs into
