@@ -885,14 +885,18 @@ bool tiles_share_heads(const Graph& score, const std::vector<TileLoad>& tiles) {
   });
 }
 
-// Row terms (fast precision): score_mod's additive terms that read neither the score nor kv_idx
-// (`qb[h, q_idx]` in `score + qb[h, q_idx]`). Adding the same value to a row's every score leaves
-// its softmax unchanged and adds the value to its LSE, so the forward kernels compute `rest`
-// per score and add the terms to each row's LSE once (templates/attention_tile.cuh,
-// add_row_terms). Exact precision keeps score_mod's rounding order, so it never splits.
+// The rowless score (fast precision): score_mod less its *row terms*, the additive terms that
+// read neither the score nor kv_idx (`qb[h, q_idx]` in `score + qb[h, q_idx]`), and divided by
+// its *units*, a positive constant factor of what is left (`30.0` in `30.0 * tanh(score /
+// 30.0)`). A row's softmax is the same over the rowless scores in those units: the row terms
+// only shift its LSE. So the forward and backward kernels compute the rowless score per score,
+// scale it in their exponent, and add the row terms to each row's LSE once (templates/
+// attention_tile.cuh: add_row_terms, row_lse_log2): no add or multiply per score for them.
+// Exact precision keeps score_mod's rounding order, so it never splits.
 struct RowSplit {
-  Graph rest;  // score_mod without its row terms (the score's graph, nodes added after it)
+  Graph rest;  // the rowless score (the score's graph, nodes added after it)
   std::vector<std::pair<NodeId, bool>> terms;  // the row terms, each with whether it is negated
+  float units = 1;
 };
 
 // The terms of the sum at `id` (through float + - and unary -), each with whether it is negated.
@@ -928,8 +932,26 @@ std::optional<RowSplit> split_row_terms(const Graph& score, FloatMath math) {
     const Deps d = dependencies(score, t.first);
     (d.reads(Input::Score) || d.reads(Input::KvIdx) ? rest : out.terms).push_back(t);
   }
-  if (out.terms.empty()) return std::nullopt;
-  out.rest.root = sum_of(out.rest, rest);
+  if (!out.terms.empty()) out.rest.root = sum_of(out.rest, rest);
+  // Positive constant factors of the rest, while their product stays a normal float.
+  double units = 1;
+  for (;;) {
+    const Node& n = out.rest[out.rest.root];
+    if (n.type != Type::Float || (n.op != Op::Mul && n.op != Op::Div)) break;
+    const auto positive = [&](int i) {
+      const Node& c = out.rest[n.args[i]];
+      return c.op == Op::Const && c.type == Type::Float && c.fval > 0 && std::isfinite(c.fval);
+    };
+    const int k = positive(1) ? 1 : n.op == Op::Mul && positive(0) ? 0 : -1;
+    if (k < 0) break;
+    const double u =
+        n.op == Op::Div ? units / out.rest[n.args[1]].fval : units * out.rest[n.args[k]].fval;
+    if (!std::isnormal(static_cast<float>(u))) break;
+    units = u;
+    out.rest.root = n.args[1 - k];
+  }
+  out.units = static_cast<float>(units);
+  if (out.terms.empty() && out.units == 1) return std::nullopt;
   return out;
 }
 
@@ -1026,17 +1048,20 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  __device__ static constexpr int score_tile_dim(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_tile_type(int k) {{ return {}; }}\n"
       "  static constexpr int kScoreRelTerms = {};\n"
+      "  static constexpr bool kRowless = {};\n"
       "  static constexpr bool kRowTerms = {};\n"
-      "  static constexpr bool kRowlessIdentity = {};\n\n",
+      "  static constexpr bool kRowlessIdentity = {};\n"
+      "  static constexpr float kRowlessUnits = {};\n\n",
       sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
       grads_read_score, score_cols.size(), mask_cols.size(), tiles.size(),
       tiles_share_heads(score, tiles), field(tile_layout, &TileLayout::slot),
       field(tile_layout, &TileLayout::dim), field(tile_layout, &TileLayout::type), rel_terms.size(),
-      split.has_value(),
+      split.has_value(), split && !split->terms.empty(),
       split ? is_identity_score(split->rest, split->rest.root)
-            : is_identity_score(score, score.root));
+            : is_identity_score(score, score.root),
+      float_literal(split ? split->units : 1.0f));
 
   const FloatMath math = in.score_math;
   out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);

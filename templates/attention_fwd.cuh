@@ -14,7 +14,7 @@
 // and the output; FlexAttention's Ev, e.g. 128 against 192), FLEXC_BF16 (1: bf16, 0: fp16),
 // FLEXC_BLOCK_M, FLEXC_BLOCK_N, FLEXC_WARPS, FLEXC_STAGES. No length is baked in: lengths,
 // strides, scale and params are kernel arguments, so they change without recompiling.
-#define FLEXC_ROWS_APART 1  // score_mod's row terms go to the LSE (attention_tile.cuh)
+#define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_mma.cuh"

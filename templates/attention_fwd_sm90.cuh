@@ -25,7 +25,7 @@
 // (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
 // and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item).
-#define FLEXC_ROWS_APART 1  // score_mod's row terms go to the LSE (attention_tile.cuh)
+#define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
 #include "tile_wgmma.cuh"

@@ -48,17 +48,25 @@ __device__ __forceinline__ void put_f32x2(float* at, float x, float y) {
   }
   *reinterpret_cast<float2*>(at) = v;
 }
-// A kernel built with FLEXC_ROWS_APART (the forward and backward kernels) computes score_mod
-// without its row terms (FlexcVariant::kRowTerms): a value added to a row's every score changes
-// only its LSE. The forward adds them to each row's LSE in its epilogue (add_row_terms), the
-// backward takes them off the LSE it reads (row_lse_log2).
+// A kernel built with FLEXC_ROWS_APART computes the rowless score (FlexcVariant::kRowless):
+// score_mod without its row terms, in units of kRowlessUnits. A value added to a row's every
+// score changes only its LSE: the forward kernels add the row terms to each row's LSE in their
+// epilogue (add_row_terms), the backward ones take them off the LSE they read (row_lse_log2).
+// With FLEXC_ROWS_APART 2 (the forward kernels) the units scale the exponent; with 1 (the
+// backward ones) only a variant with row terms computes the rowless score, each multiplied by
+// the units: units in the exponent cost the backward 2-5% (docs/perf.md).
 #ifndef FLEXC_ROWS_APART
 #define FLEXC_ROWS_APART 0
 #endif
-constexpr bool kRowsApart = FLEXC_ROWS_APART != 0 && FlexcVariant::kRowTerms;
+constexpr bool kRowsApart = FLEXC_ROWS_APART == 2 ? FlexcVariant::kRowless
+                                                  : FLEXC_ROWS_APART == 1 && FlexcVariant::kRowTerms;
+constexpr bool kUnitsInExponent = kRowsApart && FLEXC_ROWS_APART == 2;
+constexpr float kUnits = kUnitsInExponent ? FlexcVariant::kRowlessUnits : 1.f;
+// What multiplies each rowless score (1: none).
+constexpr float kScoreUnits = kRowsApart && !kUnitsInExponent ? FlexcVariant::kRowlessUnits : 1.f;
 // score_mod as this kernel computes it is the identity.
-constexpr bool kIdentityScore =
-    kRowsApart ? FlexcVariant::kRowlessIdentity : FlexcVariant::kIdentityScore;
+constexpr bool kIdentityScore = kRowsApart ? FlexcVariant::kRowlessIdentity && kScoreUnits == 1.f
+                                           : FlexcVariant::kIdentityScore;
 __device__ __forceinline__ int kv_pos0(const FlexcAttentionParams& p) {
   return kPositions ? p.kv_pos0 : 0;
 }
@@ -590,13 +598,15 @@ struct ScoreTile {
       float (&s)[MT][NT][4], float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
       const FlexcAttentionParams& p, const FlexcArgs& args, int b, const Idx& idx, int row0,
       int col0, bool partial, const Columns* cols = nullptr) {
-    if constexpr (!kIdentityScore) {
+    // (The derivative where the rowless score is the identity: `score * 0.5`'s.)
+    if constexpr (!kIdentityScore || (GRAD && !FlexcVariant::kScoreGradIsOne)) {
       for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool) {
         const float x = s[i][j][e] * p.scale;
         if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
           grad[i][j][e] =
               FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
                                            hook_kv_len(p));
+        if constexpr (kIdentityScore) return;
         // (Column loads are read from cols only where someone staged them.)
         if constexpr (kScoreWords > 0 && (kScoreCols == 0 || kStagedCols)) {
           if (cols) {
@@ -612,15 +622,17 @@ struct ScoreTile {
               cv[kScoreCols + kScoreTiles + k] =
                   cols->rel[k * kRelStride + 8 * j + (e & 1) - 16 * i - 8 * (e >> 1)];
             s[i][j][e] =
-                kRowsApart ? FlexcVariant::score_mod_rowless_cols(args, x, b, h, q_idx, kv_idx,
-                                                                  hook_q_len(p), hook_kv_len(p), cv)
+                kRowsApart ? kScoreUnits * FlexcVariant::score_mod_rowless_cols(
+                                               args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                               hook_kv_len(p), cv)
                            : FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx,
                                                           hook_q_len(p), hook_kv_len(p), cv);
             return;
           }
         }
-        s[i][j][e] = kRowsApart ? FlexcVariant::score_mod_rowless(args, x, b, h, q_idx, kv_idx,
-                                                                  hook_q_len(p), hook_kv_len(p))
+        s[i][j][e] = kRowsApart ? kScoreUnits * FlexcVariant::score_mod_rowless(
+                                                    args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                                    hook_kv_len(p))
                                 : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx,
                                                           hook_q_len(p), hook_kv_len(p));
       });
@@ -674,10 +686,10 @@ struct ScoreTile {
 
 // Softmax units -> log2 and -> natural log (see ScoreTile::apply_mods).
 __device__ __forceinline__ float units_log2(const FlexcAttentionParams& p) {
-  return kIdentityScore ? p.scale_log2 : 1.4426950408889634f;
+  return kUnits * (kIdentityScore ? p.scale_log2 : 1.4426950408889634f);
 }
 __device__ __forceinline__ float units_ln(const FlexcAttentionParams& p) {
-  return kIdentityScore ? p.scale : 1.f;
+  return kUnits * (kIdentityScore ? p.scale : 1.f);
 }
 
 // The pre-mod scores (scale * q.k) of a warp's fragment tile, kept before the hooks overwrite

@@ -62,13 +62,17 @@
 //   static constexpr int kScoreRelTerms;
 //   __device__ static void score_rel_terms(const FlexcArgs& a, int b, int h, int d, int q_len,
 //                                          int kv_len, unsigned* tv);
-//   // Row terms (kRowTerms; fast precision only): score_mod's additive terms reading neither the
-//   // score nor kv_idx. score_mod == row_terms(score_mod_rowless, ...) up to rounding; a forward
-//   // kernel may compute the rowless scores and add the row terms to each row's LSE:
-//   // row_terms(base, ...) is base plus the terms, rounded once (flexc_sum2). Without row terms,
-//   // the rowless hooks are score_mod's and row_terms returns base.
-//   static constexpr bool kRowTerms;
+//   // The rowless score (kRowless; fast precision only): score_mod without its row terms (its
+//   // additive terms reading neither the score nor kv_idx), divided by kRowlessUnits (a positive
+//   // constant factor of the rest). score_mod == row_terms(kRowlessUnits * score_mod_rowless, ...)
+//   // up to rounding; a kernel may compute the rowless scores, scale its exponent by the units
+//   // and add the row terms to each row's LSE: row_terms(base, ...) is base plus the terms,
+//   // rounded once (flexc_sum2). Without a split, the rowless hooks are score_mod's, the units
+//   // 1 and row_terms returns base.
+//   static constexpr bool kRowless;
+//   static constexpr bool kRowTerms;  // row terms among what it leaves out
 //   static constexpr bool kRowlessIdentity;  // score_mod_rowless(score, ...) == score
+//   static constexpr float kRowlessUnits;
 //   __device__ static float score_mod_rowless(/* score_mod's parameters */);
 //   __device__ static float score_mod_rowless_cols(/* score_mod_cols' parameters */);
 //   __device__ static float row_terms(const FlexcArgs& a, float base, int b, int h, int q_idx,

@@ -1695,11 +1695,12 @@ TEST_CASE("accumulate merges calls over parts of the keys into one softmax", "[g
 
 TEST_CASE("row terms added to the LSE instead of every score match the reference", "[gpu]") {
   SKIP_WITHOUT_GPU();
-  // Fast precision: the forward kernels compute score_mod without its terms of q_idx alone and
-  // add them to each row's LSE. A per-query bias (the scores then the identity); a subtracted,
-  // scaled one beside a per-key term, rows whose term is -inf (no key: 0 and -inf) and rows
-  // shifted by thousands (which rounded every score when added to it); no score at all (a
-  // uniform softmax). At positions, and checked against exact precision's error too.
+  // Fast precision: the forward kernels compute score_mod without its terms of q_idx alone (and
+  // without a positive constant factor, in the exponent instead) and add them to each row's LSE. A
+  // per-query bias (the scores then the identity); a subtracted, scaled one beside a per-key term,
+  // rows whose term is -inf (no key: 0 and -inf) and rows shifted by thousands (which rounded every
+  // score when added to it); no score at all (a uniform softmax). At positions, and checked against
+  // exact precision's error too.
   const std::vector<CaptureSpec> caps{{"qb", "float32", {"H", "Q_LEN"}},
                                       {"kvb", "float32", {"KV_LEN"}}};
   const Variant q_bias = Variant::from_strings("score + qb[h, q_idx]", "true", caps, {}, "q_bias");
@@ -1709,7 +1710,11 @@ TEST_CASE("row terms added to the LSE instead of every score match the reference
       "kv_idx <= q_idx + 40", caps, {}, "mixed");
   const Variant rows_only =
       Variant::from_strings("qb[h, q_idx] * 3.0", "kv_idx <= q_idx", caps, {}, "rows_only");
-  for (const Variant* v : {&q_bias, &mixed, &rows_only})
+  // Units: a positive constant factor of the rest scales the exponent instead of every score.
+  const Variant capped = Variant::from_strings("30.0 * tanh(score / 30.0) + qb[h, q_idx]",
+                                               "kv_idx <= q_idx + 40", caps, {}, "capped");
+  const Variant temperature = Variant::from_strings("score * 0.5", "true", {}, {}, "temperature");
+  for (const Variant* v : {&q_bias, &mixed, &rows_only, &capped, &temperature})
     for (int64_t d : {64, 128})
       for (FwdKernel kernel : kernels_for(d)) {
         REQUIRE(v->precision() == Precision::Fast);

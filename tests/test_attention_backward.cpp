@@ -581,6 +581,10 @@ TEST_CASE("backward: row terms taken off the LSE against the reference", "[gpu]"
                             "where(q_idx % 29 == 3, log(0.0), float(q_idx % 7) * 1000.0)",
                             "kv_idx <= q_idx + 40", caps, {}, "mixed"),
       Variant::from_strings("qb[h, q_idx] * 3.0", "kv_idx <= q_idx", caps, {}, "rows_only"),
+      // Units in the exponent; over the identity, whose derivative is then not 1.
+      Variant::from_strings("30.0 * tanh(score / 30.0) + qb[h, q_idx]", "kv_idx <= q_idx + 40",
+                            caps, {}, "capped"),
+      Variant::from_strings("score * 0.5", "true", {}, {}, "temperature"),
   };
   BwdCase at_positions{DType::BF16, 1, 4, 2, 150, 203, 128, true, false, true};
   at_positions.q_offset = 200, at_positions.kv_offset = 301;

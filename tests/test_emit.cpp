@@ -99,20 +99,31 @@ TEST_CASE("fast precision splits off score_mod's row terms", "[emit]") {
   // `score + qb[h, q_idx]`: the scores are the identity; the row's load is row_terms'.
   const std::string qb = fast("score + qb[h, q_idx]");
   CHECK(has(qb, "kIdentityScore = false;"));
-  CHECK(has(qb, "kRowTerms = true;"));
+  CHECK(has(qb, "kRowless = true;"));
   CHECK(has(qb, "kRowlessIdentity = true;"));
   const size_t row_hook = qb.find("row_terms(");
   REQUIRE(row_hook != std::string::npos);
   CHECK(qb.find("flexc_load_f32(a.captures[0]", row_hook) != std::string::npos);
   // A term reading kv_idx stays with the scores; a subtracted row term (and a constant) splits.
   const std::string kv = fast("score + kvb[kv_idx] - qb[h, q_idx] * 2.0 + 1.0");
-  CHECK(has(kv, "kRowTerms = true;"));
+  CHECK(has(kv, "kRowless = true;"));
   CHECK(has(kv, "kRowlessIdentity = false;"));
   // Nothing to split: a row term under a product, or no row term.
-  CHECK(has(fast("score * qb[h, q_idx]"), "kRowTerms = false;"));
-  CHECK(has(fast("score + kvb[kv_idx]"), "kRowTerms = false;"));
+  CHECK(has(fast("score * qb[h, q_idx]"), "kRowless = false;"));
+  CHECK(has(fast("score + kvb[kv_idx]"), "kRowless = false;"));
+  // Units: the positive constant factors of the rest, alone or beside row terms; not a negative
+  // one or a param.
+  const std::string cap = fast("30.0 * tanh(score / 30.0)");
+  CHECK(has(cap, "kRowless = true;"));
+  CHECK(has(cap, "kRowlessUnits = 30.0f;"));
+  CHECK(has(cap, "kRowlessIdentity = false;"));
+  const std::string temp = fast("score / 8.0 + qb[h, q_idx]");
+  CHECK(has(temp, "kRowlessUnits = 0.125f;"));
+  CHECK(has(temp, "kRowlessIdentity = true;"));
+  CHECK(has(fast("score * -2.0"), "kRowless = false;"));
+  CHECK(has(fast("score * float(h + 1)"), "kRowless = false;"));
   // Exact precision keeps score_mod's rounding order: never split.
-  CHECK(has(emit(parse("score + qb[h, q_idx]", "true", d)), "kRowTerms = false;"));
+  CHECK(has(emit(parse("score + qb[h, q_idx]", "true", d)), "kRowless = false;"));
 }
 
 TEST_CASE("score_mod's loads indexed by kv_idx alone are column loads", "[emit]") {
@@ -806,6 +817,9 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
       "pf * float(q_idx + 1) - score - 2.0",
       "score * 0.5 - (float(q_idx) * pf - float(kv_idx)) + exp(float(q_idx) / 4.0)",
       "float(q_idx) / pf",
+      // Units: positive constant factors of the rest (over a rest that is the identity too).
+      "(tanh(score / 8.0) * 2.0 + score) / 4.0 + float(q_idx)",
+      "score * 0.5",
   };
   const float pfs[] = {2.5f, -0.75f};
   const int pi = 3;
@@ -835,8 +849,8 @@ TEST_CASE("fast float math's folding keeps each value (host build)", "[emit]") {
     prog += fmt::format(
         "    std::printf(\"%a %a %a\\n\", v{0}::FlexcVariant::score_mod(a, x, 0, 0, 5, 2, 7, 11), "
         "v{0}::FlexcVariant::score_mod_grad(a, x, 0, 0, 5, 2, 7, 11), "
-        "v{0}::FlexcVariant::row_terms(a, v{0}::FlexcVariant::score_mod_rowless(a, x, 0, 0, 5, "
-        "2, 7, 11), 0, 0, 5, 0, 7, 11));\n",
+        "v{0}::FlexcVariant::row_terms(a, v{0}::FlexcVariant::kRowlessUnits * "
+        "v{0}::FlexcVariant::score_mod_rowless(a, x, 0, 0, 5, 2, 7, 11), 0, 0, 5, 0, 7, 11));\n",
         v);
   prog += "  }\n}\n";
   run_host_program(dir, prog, "");
