@@ -822,10 +822,10 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], F
   }
 }
 
-// A backward kernel's row of query `q` (head h of batch b): its LSE in log2 units as lse_log2
-// gives it, less score_mod's row terms where the kernel computes the rowless scores (kRowsApart),
-// so that P is what the forward computed. (The terms come off with their rounding errors
-// carried: row_terms(-lse) negated.)
+// A backward kernel's row of query `q` (head h of batch b; past q_len: no key): its LSE in log2
+// units (lse_log2), less score_mod's row terms where the kernel computes the rowless scores
+// (kRowsApart), so that P is what the forward computed. (The terms come off with their rounding
+// errors carried: row_terms(-lse) negated.)
 __device__ __forceinline__ float row_lse_log2(const FlexcAttentionParams& p,
                                               const FlexcArgs& args, int b, int h, int q) {
   const bool valid = q < p.q_len;
@@ -834,7 +834,7 @@ __device__ __forceinline__ float row_lse_log2(const FlexcAttentionParams& p,
     if (l != neg_inf() && l == l)
       l = -FlexcVariant::row_terms(args, -l, b, h, q + (kPositions ? p.q_pos0 : 0),
                                    kv_pos0(p), hook_q_len<false>(p), hook_kv_len(p));
-  return l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+  return flexc_tile::lse_log2(l);
 }
 
 // score_mod's row terms (kRowsApart) added to the LSE of each row of a warp's from q row `row0`,

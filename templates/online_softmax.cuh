@@ -18,11 +18,10 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 
 // ---- P from a stored LSE (the backward's recomputation): P = exp2(s * to_log2 - lse2).
 
-// A row's LSE in log2 units; +inf for a row with no unmasked element (LSE -inf) or past the
-// length (`valid` false), so that every P of it is 2^-inf = 0 and never NaN.
-__device__ __forceinline__ float lse_log2(const float* lse, long long at, bool valid) {
-  const float l = valid ? lse[at] : neg_inf();
-  return l == neg_inf() ? __int_as_float(0x7f800000) : l * 1.4426950408889634f;
+// A row's LSE in log2 units; +inf for a row with no unmasked element (LSE -inf, and rows past
+// the length), so that every P of it is 2^-inf = 0 and never NaN.
+__device__ __forceinline__ float lse_log2(float lse) {
+  return lse == neg_inf() ? __int_as_float(0x7f800000) : lse * 1.4426950408889634f;
 }
 __device__ __forceinline__ float p_from_lse(float s, float to_log2, float lse2) {
   return exp2_approx(fmaf(s, to_log2, -lse2));
