@@ -651,7 +651,6 @@ std::string value_hook(const Graph& g, const Decls& decls, std::string_view mark
 // hook's, in node order. The Hopper kernel's loader warps stage them for a whole kv tile in shared
 // memory (templates/attention_tile.cuh, StagedColumns), once per column; score_mod_cols and
 // mask_mod_cols read them from there.
-
 std::vector<NodeId> column_loads(const Graph& g) {
   std::vector<NodeId> out;
   const std::vector<char> used = reachable(g, g.root);
@@ -893,7 +892,7 @@ bool tiles_share_heads(const Graph& score, const std::vector<TileLoad>& tiles) {
 // scale it in their exponent, and add the row terms to each row's LSE once (templates/
 // attention_tile.cuh: add_row_terms, row_lse_log2): no add or multiply per score for them.
 // Exact precision keeps score_mod's rounding order, so it never splits.
-struct RowSplit {
+struct Rowless {
   Graph rest;  // the rowless score (the score's graph, nodes added after it)
   std::vector<std::pair<NodeId, bool>> terms;  // the row terms, each with whether it is negated
   float units = 1;
@@ -923,10 +922,10 @@ NodeId sum_of(Graph& g, const std::vector<std::pair<NodeId, bool>>& terms) {
   return acc ? *acc : g.constant_float(0.0);
 }
 
-std::optional<RowSplit> split_row_terms(const Graph& score, FloatMath math) {
+std::optional<Rowless> rowless_score(const Graph& score, FloatMath math) {
   if (math != FloatMath::Fast) return std::nullopt;
   std::vector<std::pair<NodeId, bool>> terms, rest;
-  RowSplit out{score, {}};
+  Rowless out{score, {}};
   sum_terms(score, score.root, false, terms);
   for (const auto& t : terms) {
     const Deps d = dependencies(score, t.first);
@@ -1019,7 +1018,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
   std::vector<TileLayout> tile_layout;
   for (const TileLoad& t : tiles) tile_ids.push_back(t.id), tile_layout.push_back(t.layout);
   const std::vector<NodeId> rel_terms = relative_terms(score);
-  const std::optional<RowSplit> split = split_row_terms(score, in.score_math);
+  const std::optional<Rowless> split = rowless_score(score, in.score_math);
   // One of a layout's fields as a function of the load's number k (0 past the loads).
   const auto field = [&](const std::vector<TileLayout>& l, auto member) {
     std::string s;
