@@ -685,18 +685,19 @@ std::string column_loader(const Graph& g, const Decls& decls, std::string_view m
               body);
 }
 
-// The dim of load `id` that kv_idx itself indexes, at a dim of length KV_LEN, with every other
-// index free of kv_idx; -1 when the load is not of that form. Consecutive keys are then
-// consecutive elements wherever that dim's stride is 1.
-int kv_dim(const Graph& g, const Decls& decls, NodeId id) {
+// The dim of load `id` that input `in` (kv_idx or q_idx) itself indexes, at a dim of its range
+// (KV_LEN, Q_LEN), with every other index but dim `skip` free of `in`; -1 when the load is not of
+// that form. Consecutive keys (queries) are then consecutive elements (rows of one stride).
+int index_dim(const Graph& g, const Decls& decls, NodeId id, Input in, int skip = -1) {
   const Node& n = g[id];
   const CaptureDecl& c = decls.captures.at(n.slot);
   int dim = -1;
   for (int d = 0; d < n.nargs; ++d) {
+    if (d == skip) continue;
     const Node& i = g[n.args[d]];
-    if (i.op == Op::Input && i.input == Input::KvIdx && dim < 0 && in_range(Input::KvIdx, c.dims[d]))
+    if (i.op == Op::Input && i.input == in && dim < 0 && in_range(in, c.dims[d]))
       dim = d;
-    else if (dependencies(g, n.args[d]).reads(Input::KvIdx))
+    else if (dependencies(g, n.args[d]).reads(in))
       return -1;
   }
   return dim;
@@ -708,14 +709,14 @@ int type_code(DType t) {
 }
 
 // Where a tile load reads: the capture slot, its kv dim (indexed by kv_idx itself), its element
-// type.
+// type, its q dim (q_dim; -1: none).
 struct TileLayout {
   size_t slot, dim;
-  int type;
+  int type, qdim;
 };
 
 // Tile loads: score_mod's loads of a 16-bit capture indexed by q_idx and by kv_idx itself
-// (kv_dim: a [Q_LEN, KV_LEN] bias, or [B, H, Q_LEN, KV_LEN]), not by the score; at most
+// (index_dim: a [Q_LEN, KV_LEN] bias, or [B, H, Q_LEN, KV_LEN]), not by the score; at most
 // kMaxTileLoads. The Hopper kernel loads a thread's whole share of the tile ahead of its scores,
 // two adjacent keys in one 32-bit load from each row's offset at kv_idx = 0 (or element by element
 // where that does not apply), instead of a gather with its address arithmetic per score. One:
@@ -736,8 +737,10 @@ std::vector<TileLoad> tile_loads(const Graph& g, const Decls& decls) {
     if (!d.reads(Input::KvIdx) || !d.reads(Input::QIdx) || d.reads(Input::Score) ||
         (t != DType::BF16 && t != DType::F16))
       continue;
-    const int dim = kv_dim(g, decls, id);
-    if (dim >= 0) out.push_back({id, {g[id].slot, size_t(dim), type_code(t)}});
+    const int dim = index_dim(g, decls, id, Input::KvIdx);
+    if (dim >= 0)
+      out.push_back(
+          {id, {g[id].slot, size_t(dim), type_code(t), index_dim(g, decls, id, Input::QIdx, dim)}});
   }
   return out;
 }
@@ -1046,6 +1049,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  __device__ static constexpr int score_tile_slot(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_tile_dim(int k) {{ return {}; }}\n"
       "  __device__ static constexpr int score_tile_type(int k) {{ return {}; }}\n"
+      "  __device__ static constexpr int score_tile_qdim(int k) {{ return {}; }}\n"
       "  static constexpr int kScoreRelTerms = {};\n"
       "  static constexpr bool kRowless = {};\n"
       "  static constexpr bool kRowTerms = {};\n"
@@ -1056,8 +1060,9 @@ std::string emit_cuda_variant(const EmitInput& in) {
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
       grads_read_score, score_cols.size(), mask_cols.size(), tiles.size(),
       tiles_share_heads(score, tiles), field(tile_layout, &TileLayout::slot),
-      field(tile_layout, &TileLayout::dim), field(tile_layout, &TileLayout::type), rel_terms.size(),
-      split.has_value(), split && !split->terms.empty(),
+      field(tile_layout, &TileLayout::dim), field(tile_layout, &TileLayout::type),
+      field(tile_layout, &TileLayout::qdim), rel_terms.size(), split.has_value(),
+      split && !split->terms.empty(),
       split ? is_identity_score(split->rest, split->rest.root)
             : is_identity_score(score, score.root),
       float_literal(split ? split->units : 1.0f));
@@ -1112,9 +1117,15 @@ LaunchFacts launch_facts(const EmitInput& in) {
   if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
   const Graph score = simplify(*in.score);
   const int mask_cols = in.mask ? static_cast<int>(column_loads(simplify(*in.mask)).size()) : 0;
-  return {tiles_share_heads(score, tile_loads(score, *in.decls)),
-          static_cast<int>(relative_terms(score).size()),
-          static_cast<int>(column_loads(score).size()) + mask_cols};
+  const std::vector<TileLoad> tiles = tile_loads(score, *in.decls);
+  LaunchFacts f{tiles_share_heads(score, tiles), static_cast<int>(relative_terms(score).size()),
+                static_cast<int>(column_loads(score).size()) + mask_cols};
+  if (!tiles.empty()) {
+    f.score_tile_slot = static_cast<int>(tiles[0].layout.slot);
+    f.score_tile_kv_dim = static_cast<int>(tiles[0].layout.dim);
+    f.score_tile_q_dim = tiles[0].layout.qdim;
+  }
+  return f;
 }
 
 }  // namespace flexc::dsl

@@ -48,6 +48,10 @@ struct LaunchFacts {
   // FlexcVariant::kScoreColumnLoads + kMaskColumnLoads: the loads the Hopper forward kernel
   // stages in shared memory per kv tile (its launch adds the bytes).
   int column_loads = 0;
+  // score_mod's tile load (at most one): the capture slot, its kv dim and its q dim (indexed by
+  // kv_idx and q_idx themselves); -1 when there is none / the q index is not q_idx itself. The
+  // Hopper forward kernel then loads the tile by TMA where the capture's layout allows.
+  int score_tile_slot = -1, score_tile_kv_dim = -1, score_tile_q_dim = -1;
 };
 LaunchFacts launch_facts(const EmitInput& in);
 

@@ -2,12 +2,15 @@
 // (portable) and templates/attention_fwd_sm90.cuh (Hopper).
 #include "flexc/attention.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
-#include <fmt/format.h>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "../templates/attention_params.cuh"
@@ -17,8 +20,6 @@
 #include "blockmask_impl.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
-
-#include <cstddef>
 
 // The host fills the struct the kernel receives by value: pin its layout (NVRTC lays plain
 // structs out like g++; a change here must be deliberate).
@@ -130,6 +131,13 @@ bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int6
          sms > 0 && items > sms && items <= std::numeric_limits<int32_t>::max();
 }
 
+int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_dim) {
+  const int64_t separate_o = head_dim <= 128 && v_head_dim <= 128
+                                 ? int64_t(2) * ((v_head_dim + 63) / 64 * 64) * c.block_m
+                                 : 0;
+  return int64_t(c.stages) * (int64_t(2) * c.block_m * c.block_n + 16) - separate_o;
+}
+
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper) {
   const size_t rel = size_t(hopper ? c.threads / 128 - 1 : 1) * 2 * 256 * 4 * facts.score_rel_terms;
   return rel + (hopper ? size_t(c.stages) * c.block_n * 4 * facts.column_loads : 0);
@@ -145,11 +153,32 @@ bool tma_fits(const TensorView& t) {
   return true;
 }
 
+namespace {
+// A TMA descriptor of 16-bit tensor `t` seen as `rank` dims (innermost first; strides in bytes
+// of the dims above the first), boxes of `box`, written in the 128-byte swizzle wgmma reads.
+FlexcTensorMap encode_map(const TensorView& t, cuuint32_t rank, const cuuint64_t* dims,
+                          const cuuint64_t* strides, const cuuint32_t* box, std::string_view what) {
+  static_assert(sizeof(CUtensorMap) == sizeof(FlexcTensorMap));
+  const jit::DriverApi& d = jit::driver("building a TMA descriptor for a Hopper kernel");
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  CUtensorMap map;
+  jit::check(d.cuTensorMapEncodeTiled(&map,
+                                      t.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                      rank, t.data, dims, strides, box, unit,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+             fmt::format("building a TMA descriptor for {}{}", what, t.describe()));
+  FlexcTensorMap out;
+  std::memcpy(&out, &map, sizeof out);
+  return out;
+}
+}  // namespace
+
 // The TMA descriptor of a [B, H, S, D] tensor for the Hopper kernel: boxes of 64 columns (one
 // 128-byte swizzle panel) x `rows` rows of one head; rows past S read as zeros.
 FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
-  static_assert(sizeof(CUtensorMap) == sizeof(FlexcTensorMap));
-  const jit::DriverApi& d = jit::driver("building a TMA descriptor for a Hopper kernel");
   const int64_t es = 2;  // bf16 / fp16
   // Innermost first: D, S, H, B. A dim of size 1 is never stepped along, so its stride is free;
   // it gets one row's bytes, which meets TMA's rules (a multiple of 16, below 2^40) whatever
@@ -162,18 +191,30 @@ FlexcTensorMap tensor_map(const TensorView& t, uint32_t rows) {
     strides[i] = dims[i + 1] == 1 ? cuuint64_t(t.shape[3] * es) : cuuint64_t(t.stride(dim) * es);
   }
   const cuuint32_t box[4] = {64, rows, 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  CUtensorMap map;
-  jit::check(d.cuTensorMapEncodeTiled(
-                 &map, t.dtype == DType::BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                              : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                 4, t.data, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-             fmt::format("building a TMA descriptor for {}", t.describe()));
-  FlexcTensorMap out;
-  std::memcpy(&out, &map, sizeof out);
-  return out;
+  return encode_map(t, 4, dims, strides, box, "");
+}
+
+std::optional<FlexcTensorMap> tile_map(const TensorView& t, int kv_dim, int q_dim, uint32_t rows) {
+  const int rank = int(t.rank());
+  if ((t.dtype != DType::BF16 && t.dtype != DType::F16) || kv_dim < 0 || q_dim < 0 ||
+      kv_dim >= rank || q_dim >= rank || reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    return std::nullopt;
+  const int64_t pitch = t.stride(q_dim), keys = t.shape[kv_dim];
+  if ((t.stride(kv_dim) != 1 && keys > 1) || pitch <= 0 || pitch % 8 != 0 || pitch < keys ||
+      pitch >= (int64_t(1) << 39))
+    return std::nullopt;
+  int64_t last = 0;  // the offset of the last element outside the kv dim
+  for (int d = 0; d < rank; ++d) {
+    if (d == kv_dim || t.shape[d] <= 1) continue;
+    if (t.stride(d) <= 0 || t.stride(d) % pitch != 0) return std::nullopt;
+    last += (t.shape[d] - 1) * t.stride(d);
+  }
+  const int64_t row_count = last / pitch + 1;
+  if (row_count > std::numeric_limits<int32_t>::max()) return std::nullopt;
+  const cuuint64_t dims[2] = {cuuint64_t(keys), cuuint64_t(row_count)};
+  const cuuint64_t strides[1] = {cuuint64_t(pitch * 2)};
+  const cuuint32_t box[2] = {64, rows};
+  return encode_map(t, 2, dims, strides, box, "the tile load of ");
 }
 
 std::string hopper_misfit(std::string_view kernel, const std::function<TileConfig()>& config,
@@ -243,7 +284,8 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
                    {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
                    {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
                    {"FLEXC_STAGES", std::to_string(c.stages)},
-                   {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"}},
+                   {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
+                   {"FLEXC_TILE_TMA", cfg.tile_tma ? "1" : "0"}},
                   "sm_90a"};
   add_build_defines(cfg, spec.defines);
   return spec;
@@ -374,6 +416,25 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   kc.persistent = hopper && detail::fwd_sm90_persistent(
                                 cfg, int(D), int(Dv), kv_len,
                                 (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
+  // score_mod's [Q_LEN, KV_LEN] tile load by TMA on Hopper, where the capture's layout and shared
+  // memory allow (templates/attention_fwd_sm90.cuh, kTileTma).
+  const dsl::LaunchFacts facts = hopper && !impl.decls.captures.empty()
+                                     ? dsl::launch_facts(detail::emit_input(impl))
+                                     : dsl::LaunchFacts{};
+  std::optional<FlexcTensorMap> tile_map;
+  const auto tile_tma = [&] {
+    tile_map.reset();
+    if (facts.score_tile_slot < 0 || facts.score_tile_q_dim < 0 ||
+        captures[size_t(facts.score_tile_slot)] == nullptr)
+      return false;
+    const int64_t bytes = int64_t(cfg.smem_bytes + detail::fwd_hook_bytes(facts, cfg, true)) +
+                          detail::fwd_sm90_tile_tma_bytes(cfg, int(D), int(Dv));
+    if (bytes > int64_t(std::min<size_t>(dev.max_smem, 227 * 1024))) return false;
+    tile_map = detail::tile_map(*captures[size_t(facts.score_tile_slot)], facts.score_tile_kv_dim,
+                                facts.score_tile_q_dim, uint32_t(cfg.block_m));
+    return tile_map.has_value();
+  };
+  kc.tile_tma = tile_tma();
   const jit::Kernel* kernel = &jit::get_kernel(
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
   // The persistent kernel holds its work item in registers across the loop: where that makes a
@@ -387,6 +448,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   if (hopper && cfg.block_m > 128 && kernel->local_bytes() > 0) {
     kc.block_m = 128;
     cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
+    kc.tile_tma = tile_tma();
     kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
   }
   FlexcAttentionParams p{};
@@ -405,17 +467,21 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   FlexcArgs args = detail::kernel_args(impl, params, captures);
   FlexcBlockMask bm{};
   if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
-  // The Hopper kernel also takes the TMA descriptors of q, k and v.
-  FlexcTensorMap maps[3];
+  // The Hopper kernel also takes the TMA descriptors of q, k and v, and of its tile load (unused
+  // without kTileTma).
+  FlexcTensorMap maps[4]{};
   std::vector<void*> argv = {&p, &args, &bm};
   if (hopper) {
     maps[0] = detail::tensor_map(q, uint32_t(cfg.block_m));
     maps[1] = detail::tensor_map(k, uint32_t(cfg.block_n));
     maps[2] = detail::tensor_map(v, uint32_t(cfg.block_n));
+    if (tile_map) maps[3] = *tile_map;
     for (FlexcTensorMap& m : maps) argv.push_back(&m);
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
-  const size_t smem = cfg.smem_bytes + detail::fwd_hook_bytes(kernel->facts(), cfg, hopper);
+  const size_t smem =
+      size_t(int64_t(cfg.smem_bytes + detail::fwd_hook_bytes(kernel->facts(), cfg, hopper)) +
+             (kc.tile_tma ? detail::fwd_sm90_tile_tma_bytes(cfg, int(D), int(Dv)) : 0));
   // A CTA per work item (q tile, head, batch), or one per SM looping over them
   // (templates/attention_fwd_sm90.cuh, Items).
   if (kc.persistent) {

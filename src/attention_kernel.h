@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -45,6 +46,18 @@ int fwd_sm90_block_m(int head_dim, int v_head_dim, int64_t kv_len, bool mask_alw
 // load (the staged column loads). At most 14 KiB, which every configuration above leaves room
 // for (templates/attention_fwd_sm90.cuh asserts it).
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper);
+
+// How much the Hopper forward kernel's shared memory grows when score_mod's tile load comes by
+// TMA (templates/attention_fwd_sm90.cuh, kTileTma): a block_m x block_n tile of 16-bit values and
+// two barriers per stage, less O's own staging (O goes over Q then). May be negative.
+int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_dim);
+// score_mod's tile load from capture `t` as the 2-D TMA map the Hopper forward kernel takes
+// (kTileTma): the capture seen as rows of its q dim's stride (`q_dim`), the keys along its
+// `kv_dim`, boxes of 64 keys by `rows` queries. Empty where the layout does not allow that (the
+// kv dim strided, a row pitch not a multiple of 16 bytes or shorter than a row, another dim's
+// stride not a multiple of the pitch, an unaligned base): the consumers then load the tile's
+// words themselves.
+std::optional<FlexcTensorMap> tile_map(const TensorView& t, int kv_dim, int q_dim, uint32_t rows);
 
 // Whether the Hopper forward kernel of configuration `c` runs persistent (a CTA per SM looping
 // over the `items` work items) rather than a CTA per item: short sequences at 128-row tiles,

@@ -6,7 +6,8 @@
 // where a tile's products are half as long and a third consumer keeps the tensor cores busy):
 // - warpgroup 0 produces: one thread walks the kv tiles (KvUnion: a 192-row tile spans two
 //   BlockMask rows), publishes each tile's schedule word (its kv index and each consumer's tile
-//   kind) in a ring in shared memory, and loads Q once and then K and V tile by tile with TMA
+//   kind) in a ring in shared memory, and loads Q once and then K and V (and score_mod's
+//   [Q_LEN, KV_LEN] tile where FLEXC_TILE_TMA) tile by tile with TMA
 //   into wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
 //   completing on a "full" mbarrier; it waits on the stage's "empty" mbarrier before reusing it.
 //   Its warps 1-3 stage the hooks' per-key loads of each tile in shared memory
@@ -24,7 +25,9 @@
 // FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows; 192 at D 64: three), FLEXC_BLOCK_N
 // (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
 // and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
-// (1: a CTA per SM looping over work items, Items; 0: a CTA per item).
+// (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
+// score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
+// consumers read it with ldmatrix; 0: they load their words from global memory themselves).
 #define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
@@ -41,6 +44,8 @@ constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
+constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
+static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
 constexpr int kConsumers = kBlockM / 64;
 constexpr int kThreads = 128 * (1 + kConsumers);  // the host launches as many
 constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
@@ -64,6 +69,8 @@ using QTile = Sw128Tile<kBlockM, kD>;
 using KTile = Sw128Tile<kBlockN, kD>;
 using VTile = Sw128Tile<kBlockN, kDv>;
 using OTile = Sw128Tile<kBlockM, kDv>;  // the epilogue's staging, over Q
+using BTile = Sw128Tile<kBlockM, kBlockN>;  // score_mod's tile load (kTileTma), 16-bit
+constexpr int kBBytes = kTileTma ? BTile::kBytes : 0;
 // score_mod's relative terms, tabulated per consumer (64 rows) and kv tile: two tables per
 // consumer, since it fills the next tile's while the last one's may still be read.
 using RelTable = flexc_attn::RelTable<64, kBlockN>;
@@ -74,11 +81,12 @@ constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // loads' kv indices and the relative-term tables (src/attention.cpp adds the staged loads' and
 // the tables' bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the dynamic base.
 // q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[], t_full[],
-// t_empty[], then q_empty.
-constexpr int kBarriers = 2 + 7 * kStages;
-// O is staged apart from Q where both fit (head dims up to 128), so that a CTA's next Q loads
-// while it stores the last output; over Q's bytes otherwise (then the next Q waits for the store).
-constexpr bool kSeparateO = kD <= 128 && kDv <= 128;
+// t_empty[], then q_empty, then the tile loads' b_full[] and b_empty[] (kTileTma).
+constexpr int kBarriers = 2 + 7 * kStages + (kTileTma ? 2 * kStages : 0);
+// O is staged apart from Q where both fit (head dims up to 128, no tile-load stages), so that a
+// CTA's next Q loads while it stores the last output; over Q's bytes otherwise (then the next Q
+// waits for the store).
+constexpr bool kSeparateO = kD <= 128 && kDv <= 128 && !kTileTma;
 constexpr int kQBytes = kSeparateO || QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kOBytes = kSeparateO ? OTile::kBytes : 0;
 // score_mod's and mask_mod's column loads, staged per kv tile in shared memory by the producer's
@@ -88,7 +96,7 @@ constexpr int kLoaders = 96;
 using Staged = flexc_attn::StagedColumns<kBlockN>;
 constexpr bool kStaging = Staged::kBytes > 0;
 constexpr int kSmemBytes = kQBytes + kOBytes +
-                           kStages * (KTile::kBytes + VTile::kBytes + Staged::kBytes) +
+                           kStages * (KTile::kBytes + VTile::kBytes + kBBytes + Staged::kBytes) +
                            8 * kBarriers + 4 * kRing + 8 * kStages + 16 + kConsumers * kRelBytes;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
 // setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
@@ -110,9 +118,10 @@ static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
 using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3>;
 
 struct Smem {
-  unsigned q, o, k, v, t, bars, ring;  // shared-memory addresses
+  unsigned q, o, k, v, bt, t, bars, ring;  // shared-memory addresses
   __device__ __forceinline__ unsigned k_tile(int s) const { return k + s * KTile::kBytes; }
   __device__ __forceinline__ unsigned v_tile(int s) const { return v + s * VTile::kBytes; }
+  __device__ __forceinline__ unsigned b_tile(int s) const { return bt + s * kBBytes; }
   __device__ __forceinline__ unsigned q_full() const { return bars; }
   __device__ __forceinline__ unsigned k_full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ unsigned v_full(int s) const { return bars + 8 * (1 + kStages + s); }
@@ -132,6 +141,13 @@ struct Smem {
   __device__ __forceinline__ unsigned item() const { return ring + 4 * (kRing + 2 * kStages); }
   // Q's rows no longer read (nor O's staging over them): the next work item's Q may load.
   __device__ __forceinline__ unsigned q_empty() const { return bars + 8 * (1 + 7 * kStages); }
+  // The tile load of stage s landed / was read by every consumer thread.
+  __device__ __forceinline__ unsigned b_full(int s) const {
+    return bars + 8 * (2 + 7 * kStages + s);
+  }
+  __device__ __forceinline__ unsigned b_empty(int s) const {
+    return bars + 8 * (2 + 8 * kStages + s);
+  }
   __device__ __forceinline__ unsigned tables() const { return item() + 16; }
 };
 
@@ -187,6 +203,20 @@ __device__ __forceinline__ void load_tile(unsigned dst, const FlexcTensorMap& ma
     tma_load_4d(dst + panel * Tile::kPanelBytes, map, panel * 64, row0, h, b, bar);
 }
 
+// Where score_mod's tile load of q tile q0 starts in its TMA map (the kernel's `tb`, a 2-D view of
+// the capture as rows of its q dim's stride: src/attention.cpp, detail::tile_map): the map's
+// column and row of (q_idx, kv_idx) = (q0's, the first key's).
+__device__ __forceinline__ void tile_origin(const FlexcAttentionParams& p, const FlexcArgs& args,
+                                            int b, int h, int q0, int& col, int& row) {
+  long long off[1];
+  FlexcVariant::score_tile_offsets(args, b, h, q0 + p.q_pos0, flexc_attn::kv_pos0(p),
+                                   Scores::hook_q_len(p), flexc_attn::hook_kv_len(p), off);
+  const long long pitch =
+      args.captures[FlexcVariant::score_tile_slot(0)].stride[FlexcVariant::score_tile_qdim(0)];
+  row = int(off[0] / pitch);
+  col = int(off[0] - row * pitch);
+}
+
 // S = Q.K^T for the warpgroup's 64 rows (`q_rows` is its first row in the Q tile).
 __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, int q_rows,
                                          unsigned k_tile) {
@@ -229,6 +259,16 @@ __device__ __forceinline__ void hand_over(const Smem& sm, int j, unsigned kv, un
   }
 }
 
+// score_mod's tile load of the kv tile from kv0 (kTileTma): a box of 64 columns by the q tile's
+// rows per 64-column panel, from the item's origin (tile_origin).
+__device__ __forceinline__ void load_b_tile(unsigned dst, const FlexcTensorMap& map, int col,
+                                            int row, unsigned bar) {
+  mbar_expect_tx(bar, BTile::kBytes);
+#pragma unroll
+  for (int panel = 0; panel < BTile::kPanels; ++panel)
+    tma_load_2d(dst + panel * BTile::kPanelBytes, map, col + panel * 64, row, bar);
+}
+
 // Warpgroup 0's thread 0: the schedule and the TMA loads of the CTA's k-th work item. Stage s of
 // round r (tile j = r * kStages + s, counted over the CTA's items) is reused once every consumer
 // released round r - 1. The ring holds a word per tile and one (kEnd) per item: tile j's is word
@@ -237,11 +277,13 @@ __device__ __forceinline__ void hand_over(const Smem& sm, int j, unsigned kv, un
 // loaders once the consumers released the stage.
 __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
                                         const FlexcTensorMap& tq, const FlexcTensorMap& tk,
-                                        const FlexcTensorMap& tv, const FlexcBlockMask& bm,
-                                        const FlexcAttentionParams& p, const Item& it, int k,
-                                        int& j) {
+                                        const FlexcTensorMap& tv, const FlexcTensorMap& tb,
+                                        const FlexcBlockMask& bm, const FlexcAttentionParams& p,
+                                        const FlexcArgs& args, const Item& it, int k, int& j) {
   const int h = it.h, b = it.b, q0 = it.m_block * kBlockM, active = active_consumers(p, q0);
   const int h_kv = h / (p.q_heads / p.kv_heads);
+  int b_col = 0, b_row = 0;
+  if constexpr (kTileTma) tile_origin(p, args, b, h, q0, b_col, b_row);
   // The BlockMask rows of the first and the last active consumer.
   flexc_attn::KvUnion<kBlockN> tiles(bm, b, h, q0, q0 + 64 * (active - 1), p.kv_len);
   // Which of the two rows' kinds each consumer takes (bit c set: the second row's).
@@ -281,6 +323,10 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
     ring[(j + 1 + k) % kRing] = word(next, kinds);
     load_tile<KTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
     if (!published) publish(), published = true;
+    if constexpr (kTileTma) {
+      mbar_wait(sm.b_empty(s), empty_parity);
+      load_b_tile(sm.b_tile(s), tb, b_col + kv0, b_row, sm.b_full(s));
+    }
     hand_over(sm, j, unsigned(kv0), unsigned(b) << 16 | unsigned(h));
     mbar_wait(sm.v_empty(s), empty_parity);
     load_tile<VTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
@@ -309,7 +355,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     flexc_attention_fwd_sm90(const FlexcAttentionParams p, const FlexcArgs args,
                              const FlexcBlockMask bm, const __grid_constant__ FlexcTensorMap tq,
                              const __grid_constant__ FlexcTensorMap tk,
-                             const __grid_constant__ FlexcTensorMap tv) {
+                             const __grid_constant__ FlexcTensorMap tv,
+                             const __grid_constant__ FlexcTensorMap tb) {
   using namespace flexc_fwd90;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The declared alignment is not promised for dynamic shared memory: align by hand.
@@ -319,7 +366,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   sm.o = sm.q + (kSeparateO ? kQBytes : 0);
   sm.k = sm.q + kQBytes + kOBytes;
   sm.v = sm.k + kStages * KTile::kBytes;
-  sm.t = sm.v + kStages * VTile::kBytes;
+  sm.bt = sm.v + kStages * VTile::kBytes;
+  sm.t = sm.bt + kStages * kBBytes;
   sm.bars = sm.t + kStages * Staged::kBytes;
   sm.ring = sm.bars + 8 * kBarriers;
   unsigned char* q_smem = smem_raw + (sm.q - raw);  // the aligned base
@@ -345,6 +393,10 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         mbar_init(sm.t_full(s), kLoaders);
         mbar_init(sm.t_empty(s), 128 * kConsumers);
       }
+      if constexpr (kTileTma) {
+        mbar_init(sm.b_full(s), 1);
+        mbar_init(sm.b_empty(s), 128 * kConsumers);
+      }
     }
     mbar_fence_init();
   }
@@ -359,13 +411,13 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         if constexpr (kPersistent) {
           const Items items(p);
           for (int i = items.of_round(0); i < items.total; i = items.of_round(k + 1), ++k)
-            produce(sm, ring, tq, tk, tv, bm, p, items.at(i), k, j);
+            produce(sm, ring, tq, tk, tv, tb, bm, p, args, items.at(i), k, j);
           // No item is left: the consumers stop at it.
           if (k > 0) mbar_wait(sm.q_empty(), (k - 1) & 1);
           st_shared(sm.item(), kEnd);
           mbar_arrive(sm.q_full());
         } else {
-          produce(sm, ring, tq, tk, tv, bm, p, cta_item(), k, j);
+          produce(sm, ring, tq, tk, tv, tb, bm, p, args, cta_item(), k, j);
         }
         hand_over(sm, j, kEnd, 0);
       }
@@ -426,6 +478,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         pass_turn(word == kEnd);
         mbar_arrive(sm.k_empty(st));
         if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
+        if constexpr (kTileTma) mbar_arrive(sm.b_empty(st));
         mbar_arrive(sm.v_empty(st));
       }
       mbar_arrive(sm.q_empty());
@@ -447,12 +500,16 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     // score_mod's tile loads (a [Q_LEN, KV_LEN] bias) of the current tile, issued before this
     // consumer waits for its turn and for S: the wait hides their latency. The rows' pointers
     // are the q tile's, pinned in registers.
+    // With kTileTma they come by TMA instead, read in softmax_tile.
     typename Scores::Columns cols;
-    typename Scores::TileRows tile_rows = Scores::tile_rows(p, args, b, h, row0);
+    typename Scores::TileRows tile_rows{};
+    if constexpr (!kTileTma) tile_rows = Scores::tile_rows(p, args, b, h, row0);
     auto load_columns = [&] {
-      tile_rows.pin();
-      if (!(kMayBeEmpty && kind == flexc_attn::kTileEmpty))
-        Scores::load_columns(cols, tile_rows, p, args, b, h, row0, kv0);
+      if constexpr (!kTileTma) {
+        tile_rows.pin();
+        if (!(kMayBeEmpty && kind == flexc_attn::kTileEmpty))
+          Scores::load_columns(cols, tile_rows, p, args, b, h, row0, kv0);
+      }
     };
     // Its relative terms, tabulated by the consumer's 128 threads while Q.K^T runs (ahead of the
     // wait, T5's cost 3% more, docs/perf.md), into the table of tile j's parity; the barrier
@@ -477,6 +534,16 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       if constexpr (kStaging) {
         mbar_wait(sm.t_full(st), (jt / kStages) & 1);
         cols.staged = Staged::view(q_smem + (sm.t_tile(st) - sm.q));
+      }
+      if constexpr (kTileTma) {
+        mbar_wait(sm.b_full(st), (jt / kStages) & 1);
+        unsigned w[2][kNT];
+        ldmatrix_c<BTile>(w, sm.b_tile(st), warp * 16);
+        mbar_arrive(sm.b_empty(st));
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int jj = 0; jj < kNT; ++jj) cols.tile[0][r][jj][0] = w[r][jj];
       }
       Scores::apply_mods(s, p, args, b, h, row0, kv0, kind == flexc_attn::kTilePartial, &cols);
       if constexpr (kStaging) mbar_arrive(sm.t_empty(st));

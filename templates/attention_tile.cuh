@@ -303,8 +303,9 @@ struct RelTable {
 // the threads computing the scores hold no registers for them across their waits (a word per
 // score column and load: 32 registers at 128-wide tiles). A stage holds word k * BLOCK_N + c for
 // key kv0 + c: score_mod's loads k < kScoreCols, then mask_mod's.
-// (Its [Q_LEN, KV_LEN] tile loads were staged the same way, by cp.async: 3-5% slower than the
-// consumers' own loads, docs/perf.md.)
+// (Its [Q_LEN, KV_LEN] tile loads come by TMA where their layout allows, the Hopper kernel's
+// kTileTma; staged here by cp.async they ran 3-5% slower than the consumers' own loads,
+// docs/perf.md.)
 template <int BLOCK_N>
 struct StagedColumns {
   static constexpr int kScoreCols = FlexcVariant::kScoreColumnLoads;

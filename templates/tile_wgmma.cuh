@@ -131,6 +131,32 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const FlexcTensorMap& 
       : "memory");
 }
 
+// The same for a 2-D tensor map (c0 innermost).
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const FlexcTensorMap& map, int c0, int c1,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// A warp's 16 rows from `row0` of a 16-bit Sw128Tile in the accumulator layout (tile_mma.cuh's C
+// fragment): w[r][j] holds row row0 + lane / 4 + 8 r, columns 8 j + 2 (lane % 4) and the next
+// one. Four 8 x 8 matrices per ldmatrix; the swizzle spreads a matrix's 8 rows over all banks.
+template <class Tile, int NT>
+__device__ __forceinline__ void ldmatrix_c(unsigned (&w)[2][NT], unsigned tile, int row0) {
+  static_assert(NT % 2 == 0, "n8 column tiles in pairs");
+  const int lane = threadIdx.x & 31, m = lane >> 3;  // lane m * 8 + i: row i of matrix m
+  const int row = row0 + 8 * (m & 1) + (lane & 7);
+#pragma unroll
+  for (int k = 0; k < NT / 2; ++k)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0][2 * k]), "=r"(w[1][2 * k]), "=r"(w[0][2 * k + 1]),
+                   "=r"(w[1][2 * k + 1])
+                 : "r"(tile + Tile::offset(row, 2 * k + (m >> 1))));
+}
+
 // Named barriers 1..15 (0 is __syncthreads): `sync` waits until `count` threads arrived, counting
 // itself; `arrive` only counts.
 __device__ __forceinline__ void named_sync(int id, int count) {

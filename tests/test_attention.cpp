@@ -663,6 +663,25 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
       detail::fwd_sm90_persistent(detail::fwd_config_sm90(64, 64), 64, 64, 1024, 3072, 132));
   CHECK_FALSE(detail::fwd_sm90_persistent(detail::fwd_config_sm90(256, 256), 256, 256, 1024, 2048,
                                           132));
+  // score_mod's tile load by TMA: two stages of the tile (and their barriers), O staged over Q;
+  // a capture whose layout TMA cannot step takes the consumers' own loads (no map).
+  CHECK(detail::fwd_sm90_tile_tma_bytes(d128, 128, 128) ==
+        2 * (2 * 128 * 128 + 16) - 2 * 128 * 128);
+  CHECK(detail::fwd_sm90_tile_tma_bytes(detail::fwd_config_sm90(256, 256), 256, 256) ==
+        2 * (2 * 128 * 64 + 16));
+  // (Addresses only: none of these is read.)
+  const auto view = [](std::vector<int64_t> shape, std::vector<int64_t> strides, DType t,
+                       int64_t offset = 0) {
+    return TensorView{reinterpret_cast<void*>(uintptr_t(1 << 20) + 2 * offset), t, std::move(shape),
+                      std::move(strides)};
+  };
+  const DType bf = DType::BF16;
+  CHECK_FALSE(detail::tile_map(view({100, 1000}, {1, 100}, bf), 0, 1, 128));   // kv dim strided
+  CHECK_FALSE(detail::tile_map(view({100, 1001}, {1001, 1}, bf), 1, 0, 128));  // pitch: 2002 bytes
+  CHECK_FALSE(detail::tile_map(view({100, 1000}, {1000, 1}, bf, 1), 1, 0, 128));  // base unaligned
+  CHECK_FALSE(detail::tile_map(view({100, 1000}, {1000, 1}, DType::F32), 1, 0, 128));
+  CHECK_FALSE(detail::tile_map(view({2, 100, 1000}, {100004, 1000, 1}, bf), 2, 1, 128));
+  CHECK_FALSE(detail::tile_map(view({100, 1000}, {1000, 1}, bf), 1, -1, 128));  // q_idx % 64, say
   // Above D 128 the Hopper kernel's kv tiles are 64 wide: a 128 x 64 BlockMask fits them.
   for (int d : {64, 96, 128, 192, 256}) {
     const detail::TileConfig c = detail::fwd_config_sm90(d, d);
@@ -805,8 +824,10 @@ int spill_bytes(const std::string& log, const std::string& entry) {
 // (positions), and ring attention's, with float32 outputs as well.
 struct Build {
   bool positions = false, f32_out = false, accumulate = false;  // (the forward has no accumulate)
+  bool tile_tma = false;  // the Hopper forward's tile load by TMA
   void apply(jit::KernelConfig& kc) const {
     kc.positions = positions, kc.f32_out = f32_out, kc.accumulate = accumulate;
+    kc.tile_tma = tile_tma;
   }
   std::string describe() const {
     return std::string(positions ? " positions" : "") + (f32_out ? " f32 out" : "") +
@@ -892,6 +913,19 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       const bool spill_free = v == &cols || v == &doc_cols || v == &masked_alibi;
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= (spill_free ? 0 : 8));
       if (d == 64 && spill_free) CHECK(tall);
+    }
+  // The tile load by TMA (kTileTma): the consumers hold no words across the wait, so D 64 keeps
+  // its 192-row tiles and nothing spills; its tile stages fit shared memory up to D 256.
+  Build by_tma;
+  by_tma.tile_tma = true;
+  for (int d : {64, 128, 256})
+    for (const Variant* v : {&tiles, &tiles_cols}) {
+      bool tall = false;
+      const std::string log = hopper_fwd_log(*v, d, d, &tall, by_tma);
+      INFO(v->name() << " D " << d << " tile by TMA\n" << log);
+      CHECK(log.find("C751") == std::string::npos);
+      CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") == 0);
+      if (d == 64) CHECK(tall);
     }
   // The persistent build (short sequences at D up to 128, 128-row tiles; at D 64 under a mask)
   // keeps its wgmmas asynchronous without a spill for the plain variants (others fall back to a
@@ -1338,12 +1372,15 @@ void check_at_offsets(const Variant& v, GpuCase c) {
 TEST_CASE("per-score tile loads of a Q_LEN x KV_LEN bias, issued ahead, match the reference",
           "[gpu]") {
   SKIP_WITHOUT_GPU();
-  // score_mod's 16-bit loads indexed by q_idx and kv_idx itself: the Hopper kernel loads a
-  // thread's share of the tile before waiting for its scores, two adjacent keys a load where the
-  // kv dim has stride 1 and every row's pair is aligned (KV_LEN 1000), element by element
-  // otherwise (KV_LEN 517: odd rows start unaligned; the edge tile). bf16 and fp16, beside a
-  // column load (staged by the producer's loaders), a wrapped row index, a relative term, a
-  // causal mask's partial tiles, and queries at an offset.
+  // score_mod's 16-bit loads indexed by q_idx and kv_idx itself: where the capture's rows are
+  // 16-byte multiples (KV_LEN 1000) and q_idx itself indexes them, the Hopper kernel's producer
+  // loads the tile by TMA with K and V (kTileTma; past Q_LEN and KV_LEN as zeros) and the
+  // consumers read it with ldmatrix; otherwise the consumers load a thread's share of the tile
+  // before waiting for its scores, two adjacent keys a load where every row's pair is aligned,
+  // element by element otherwise (KV_LEN 517: odd rows start unaligned; the edge tile), and with a
+  // wrapped row index. bf16 and fp16, beside a column load (staged by the producer's loaders), a
+  // relative term, a causal mask's partial tiles, queries at an offset (the TMA box's origin
+  // moves), and short sequences over many work items (the persistent kernel, KV_LEN 1024).
   const std::vector<CaptureSpec> caps{{"bias", "bf16", {"Q_LEN", "KV_LEN"}},
                                       {"bhqk", "fp16", {"B", "H", "Q_LEN", "KV_LEN"}},
                                       {"rows", "bf16", {"64", "KV_LEN"}},
@@ -1356,11 +1393,27 @@ TEST_CASE("per-score tile loads of a Q_LEN x KV_LEN bias, issued ahead, match th
       Variant::from_strings("score * 0.5 + rows[q_idx % 64, kv_idx]", "true", caps, {}, "wrapped");
   const Variant with_rel = Variant::from_strings(
       "score + bias[q_idx, kv_idx] - log(1.0 + abs(q_idx - kv_idx))", "true", caps, {}, "rel");
+  int i = 0;
   for (const Variant* v : {&bias_2d, &with_cols, &wrapped, &with_rel})
     for (int64_t d : {64, 128})
-      for (FwdKernel kernel : kernels_for(d))
-        check_at_offsets(*v, {d == 64 ? DType::BF16 : DType::F16, 2, 4, 2, 333,
-                              d == 64 ? 1000 : 517, d, false, 0, true, {}, kernel});
+      for (int64_t lkv : {1000, 517})
+        for (FwdKernel kernel : kernels_for(d))
+          check_at_offsets(*v, {++i % 2 ? DType::BF16 : DType::F16,
+                                2,
+                                4,
+                                2,
+                                333,
+                                lkv,
+                                d,
+                                false,
+                                0,
+                                true,
+                                {},
+                                kernel});
+  for (const Variant* v : {&bias_2d, &with_cols})
+    for (int64_t d : {64, 128})
+      check_at_offsets(
+          *v, {DType::BF16, 3, 8, 2, 1000, 1024, d, false, 0, true, {}, FwdKernel::Hopper});
 }
 
 TEST_CASE("mask_mod's per-key loads, staged by the loader warps, match the reference", "[gpu]") {

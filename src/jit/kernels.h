@@ -19,6 +19,9 @@ struct KernelConfig {
   int v_head_dim = 0;  // v's and the output's (the forward kernels); 0: head_dim
   int block_m = 0;     // the Hopper forward kernel's q tile rows; 0: the head dims' default
   bool persistent = false;  // the Hopper forward kernel: a CTA per SM looping over work items
+  // The Hopper forward kernel: score_mod's [Q_LEN, KV_LEN] tile load comes by TMA (its launch
+  // passes the capture's map, detail::tile_map).
+  bool tile_tma = false;
   // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
   bool positions = false;
