@@ -285,8 +285,7 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
                    {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
                    {"FLEXC_STAGES", std::to_string(c.stages)},
                    {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
-                   {"FLEXC_TILE_TMA", cfg.tile_tma ? "1" : "0"},
-                   {"FLEXC_DENSE", cfg.dense ? "1" : "0"}},
+                   {"FLEXC_TILE_TMA", cfg.tile_tma ? "1" : "0"}},
                   "sm_90a"};
   add_build_defines(cfg, spec.defines);
   return spec;
@@ -436,7 +435,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     return tile_map.has_value();
   };
   kc.tile_tma = tile_tma();
-  kc.dense = hopper && cfg.block_m == 192 && !opts.block_mask;
   const jit::Kernel* kernel = &jit::get_kernel(
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
   // The persistent kernel holds its work item in registers across the loop: where that makes a
@@ -451,7 +449,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     kc.block_m = 128;
     cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
     kc.tile_tma = tile_tma();
-    kc.dense = false;
     kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
   }
   FlexcAttentionParams p{};

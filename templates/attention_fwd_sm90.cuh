@@ -27,9 +27,7 @@
 // and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
 // score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
-// consumers read it with ldmatrix; 0: they load their words from global memory themselves),
-// FLEXC_DENSE (1: launched without a BlockMask, every kv tile visited whole or partial by every
-// consumer: with three, no tile is empty for some of them, and no score needs masking for it).
+// consumers read it with ldmatrix; 0: they load their words from global memory themselves).
 #define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
@@ -47,7 +45,6 @@ constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
-constexpr bool kDense = FLEXC_DENSE != 0;
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
 constexpr int kConsumers = kBlockM / 64;
 constexpr int kThreads = 128 * (1 + kConsumers);  // the host launches as many
@@ -384,7 +381,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     unsigned given;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
     if (given < sm.q - raw + kSmemBytes) __trap();
-    if (kDense && bm.kv_num != nullptr) __trap();  // the host launches this build without one
     mbar_init(sm.q_full(), 1);
     mbar_init(sm.q_empty(), 128 * kConsumers);
     for (int s = 0; s < kStages; ++s) {
@@ -445,9 +441,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       named_arrive(kTurnBarrier + (cw + 1 == kConsumers ? 0 : cw + 1), 256);
   };
   // The current tile's first kv index and its kind for this consumer's rows: with three
-  // consumers over two BlockMask rows a tile may be empty for some (kMayBeEmpty; never without
-  // a BlockMask, kDense), which then skip its loads and mask its scores whole.
-  constexpr bool kMayBeEmpty = kConsumers > 2 && !kDense;
+  // consumers over two BlockMask rows a tile may be empty for some (kMayBeEmpty), which then
+  // skip its loads and mask its scores whole.
+  constexpr bool kMayBeEmpty = kConsumers > 2;
   // score_mod's relative-term tables: see fill_rel_table.
   unsigned* const tables = reinterpret_cast<unsigned*>(q_smem + (sm.tables() - sm.q));
 
@@ -531,9 +527,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       }
     };
     // Hooks and softmax of tile jt (stage st) in s (left as probabilities); whether O must be
-    // rescaled. A tile empty for these rows contributes nothing (a select, not a branch: ptxas
-    // keeps two copies of s across a branch that writes it, and spills). Its staged loads are
-    // read here, and released.
+    // rescaled. A tile empty for these rows contributes nothing: apply_mods masks it whole in
+    // its edge branch. Its staged loads are read here, and released.
     auto softmax_tile = [&](int jt, int st, float (&alpha)[1][2]) {
       if constexpr (kStaging) {
         mbar_wait(sm.t_full(st), (jt / kStages) & 1);
@@ -549,15 +544,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 #pragma unroll
           for (int jj = 0; jj < kNT; ++jj) cols.tile[0][r][jj][0] = w[r][jj];
       }
-      Scores::apply_mods(s, p, args, b, h, row0, kv0, kind == flexc_attn::kTilePartial, &cols);
+      Scores::apply_mods(s, p, args, b, h, row0, kv0, kind == flexc_attn::kTilePartial, &cols,
+                         kMayBeEmpty && kind == flexc_attn::kTileEmpty);
       if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
-      if constexpr (kMayBeEmpty) {
-        const bool empty = kind == flexc_attn::kTileEmpty;
-#pragma unroll
-        for (int jj = 0; jj < kNT; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][jj][e] = empty ? flexc_attn::neg_inf() : s[0][jj][e];
-      }
       return softmax.step(s, to_log2, alpha);
     };
 

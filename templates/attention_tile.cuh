@@ -590,15 +590,17 @@ struct ScoreTile {
                                                     const FlexcAttentionParams& p,
                                                     const FlexcArgs& args, int b, int h, int row0,
                                                     int col0, bool partial,
-                                                    const Columns* cols = nullptr) {
-    apply_mods_at<GRAD>(s, grad, p, args, b, index(h, row0, col0, p), row0, col0, partial, cols);
+                                                    const Columns* cols = nullptr,
+                                                    bool empty = false) {
+    apply_mods_at<GRAD>(s, grad, p, args, b, index(h, row0, col0, p), row0, col0, partial, cols,
+                        empty);
   }
   // The same at the positions `idx` (the decode kernel's packed rows).
   template <bool GRAD = false>
   __device__ __forceinline__ static void apply_mods_at(
       float (&s)[MT][NT][4], float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
       const FlexcAttentionParams& p, const FlexcArgs& args, int b, const Idx& idx, int row0,
-      int col0, bool partial, const Columns* cols = nullptr) {
+      int col0, bool partial, const Columns* cols = nullptr, bool empty = false) {
     // (The derivative where the rowless score is the identity: `score * 0.5`'s.)
     if constexpr (!kIdentityScore || (GRAD && !FlexcVariant::kScoreGradIsOne)) {
       for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool) {
@@ -669,9 +671,12 @@ struct ScoreTile {
         return;
       }
     }
-    if (crosses_edge(row0, col0, p)) {
+    // Past a length, and the whole of a tile `empty` for these rows (the Hopper kernel's D 64
+    // tiles over two BlockMask rows): in the branch the edge takes anyway, not a select per
+    // score on every tile (ptxas would also keep two copies of s across a branch of its own).
+    if (crosses_edge(row0, col0, p) || empty) {
       for_each(fresh, [&](int i, int j, int e, int, int, int, bool in) {
-        s[i][j][e] = in ? s[i][j][e] : neg_inf();
+        s[i][j][e] = in && !empty ? s[i][j][e] : neg_inf();
       });
     }
   }
@@ -679,9 +684,10 @@ struct ScoreTile {
                                                     const FlexcAttentionParams& p,
                                                     const FlexcArgs& args, int b, int h, int row0,
                                                     int col0, bool partial,
-                                                    const Columns* cols = nullptr) {
+                                                    const Columns* cols = nullptr,
+                                                    bool empty = false) {
     float unused[1][1][4];
-    apply_mods<false>(s, unused, p, args, b, h, row0, col0, partial, cols);
+    apply_mods<false>(s, unused, p, args, b, h, row0, col0, partial, cols, empty);
   }
 };
 

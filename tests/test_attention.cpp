@@ -825,10 +825,9 @@ int spill_bytes(const std::string& log, const std::string& entry) {
 struct Build {
   bool positions = false, f32_out = false, accumulate = false;  // (the forward has no accumulate)
   bool tile_tma = false;  // the Hopper forward's tile load by TMA
-  bool dense = false;     // the Hopper forward launched without a BlockMask (192-row tiles)
   void apply(jit::KernelConfig& kc) const {
     kc.positions = positions, kc.f32_out = f32_out, kc.accumulate = accumulate;
-    kc.tile_tma = tile_tma, kc.dense = dense;
+    kc.tile_tma = tile_tma;
   }
   std::string describe() const {
     return std::string(positions ? " positions" : "") + (f32_out ? " f32 out" : "") +
@@ -915,20 +914,6 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= (spill_free ? 0 : 8));
       if (d == 64 && spill_free) CHECK(tall);
     }
-  // Launched without a BlockMask, D 64's 192-row tiles are never empty for a consumer (no
-  // select per score): that build keeps its tiles and spills no more.
-  Build dense;
-  dense.dense = true;
-  for (const Variant* v : {&tiles, &cols, &masked_alibi}) {
-    bool tall = false, dense_tall = false;
-    const std::string log = hopper_fwd_log(*v, 64, 64, &tall);
-    const std::string dense_log = hopper_fwd_log(*v, 64, 64, &dense_tall, dense);
-    INFO(v->name() << " D 64 dense\n" << dense_log);
-    CHECK(dense_log.find("C751") == std::string::npos);
-    CHECK(spill_bytes(dense_log, "flexc_attention_fwd_sm90") <=
-          spill_bytes(log, "flexc_attention_fwd_sm90"));
-    CHECK(dense_tall >= tall);
-  }
   // The tile load by TMA (kTileTma): the consumers hold no words across the wait, so D 64 keeps
   // its 192-row tiles and nothing spills; its tile stages fit shared memory up to D 256.
   Build by_tma;

@@ -22,9 +22,6 @@ struct KernelConfig {
   // The Hopper forward kernel: score_mod's [Q_LEN, KV_LEN] tile load comes by TMA (its launch
   // passes the capture's map, detail::tile_map).
   bool tile_tma = false;
-  // The Hopper forward kernel at 192-row tiles (three consumers): launched without a BlockMask,
-  // no kv tile is empty for one consumer's rows and not another's (no per-score select for it).
-  bool dense = false;
   // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
   bool positions = false;
