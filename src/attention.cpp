@@ -357,7 +357,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // and a grid's y is at most 65535: checked only when the q tiles exceed that.
   // (Tiles of 128 rows, the smallest it may run.)
   if (hopper_misfit.empty() && (q_len + 127) / 128 > 65535 &&
-      dsl::launch_facts(detail::emit_input(detail::impl_of(variant))).score_tiles_share_heads)
+      detail::impl_of(variant).facts.score_tiles_share_heads)
     hopper_misfit = fmt::format(
         "the Hopper kernel reads a [Q_LEN, KV_LEN] capture with the heads of a q tile together, "
         "at most 65535 q tiles of 128 rows; Q_LEN {} is more",
@@ -418,13 +418,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                                 (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
   // score_mod's [Q_LEN, KV_LEN] tile load by TMA on Hopper, where the capture's layout and shared
   // memory allow (templates/attention_fwd_sm90.cuh, kTileTma).
-  const dsl::LaunchFacts facts = hopper && !impl.decls.captures.empty()
-                                     ? dsl::launch_facts(detail::emit_input(impl))
-                                     : dsl::LaunchFacts{};
+  const dsl::LaunchFacts& facts = impl.facts;
   std::optional<FlexcTensorMap> tile_map;
   const auto tile_tma = [&] {
     tile_map.reset();
-    if (facts.score_tile_slot < 0 || facts.score_tile_q_dim < 0 ||
+    if (!hopper || facts.score_tile_slot < 0 || facts.score_tile_q_dim < 0 ||
         captures[size_t(facts.score_tile_slot)] == nullptr)
       return false;
     const int64_t bytes = int64_t(cfg.smem_bytes + detail::fwd_hook_bytes(facts, cfg, true)) +

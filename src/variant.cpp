@@ -436,6 +436,7 @@ Variant finish(VariantImpl impl, std::string_view where) {
           std::min(expanded, limits.max_expanded_nodes), limits.max_nodes,
           limits.max_expanded_nodes));
   }
+  impl.facts = dsl::launch_facts(emit_input(impl));
   return VariantAccess::make(std::make_shared<const VariantImpl>(std::move(impl)));
 }
 

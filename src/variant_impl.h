@@ -33,6 +33,9 @@ struct VariantImpl {
   // composing two others has an empty `source` and no source ranges on its nodes.
   dsl::Mod score, mask;
   Precision precision = Precision::Fast;
+  // What a kernel's launch must agree on with the emitted header (dsl::launch_facts of the mods
+  // above), computed once when the variant is built: the launch reads it on every call.
+  dsl::LaunchFacts facts;
 };
 
 // The precision of a variant combined from a and b: Exact if either is.

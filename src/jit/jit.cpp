@@ -288,9 +288,7 @@ class Jit {
       CUfunction fn = nullptr;
       check(d.cuModuleGetFunction(&fn, mod, p.spec.entry.c_str()),
             fmt::format("{}: finding its entry '{}'", doing, p.spec.entry));
-      const dsl::LaunchFacts facts =
-          dsl::launch_facts(detail::emit_input(detail::impl_of(p.variant)));
-      return std::make_unique<Kernel>(fn, p.what, facts);
+      return std::make_unique<Kernel>(fn, p.what, detail::impl_of(p.variant).facts);
     } catch (...) {
       d.cuModuleUnload(mod);  // a failed module must not leak
       throw;
