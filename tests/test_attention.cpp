@@ -1397,19 +1397,19 @@ TEST_CASE("per-score tile loads of a Q_LEN x KV_LEN bias, issued ahead, match th
   for (const Variant* v : {&bias_2d, &with_cols, &wrapped, &with_rel})
     for (int64_t d : {64, 128})
       for (int64_t lkv : {1000, 517})
-        for (FwdKernel kernel : kernels_for(d))
-          check_at_offsets(*v, {++i % 2 ? DType::BF16 : DType::F16,
-                                2,
-                                4,
-                                2,
-                                333,
-                                lkv,
-                                d,
-                                false,
-                                0,
-                                true,
-                                {},
-                                kernel});
+        for (FwdKernel kernel : kernels_for(d)) {
+          const GpuCase c{++i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, 333, lkv, d, false, 0, true,
+                          {}, kernel};
+          check_at_offsets(*v, c);
+        }
+  // Above D 128 the kv tiles are 64 wide (one panel a box); v's head dim apart from q's.
+  for (const Variant* v : {&bias_2d, &with_cols})
+    for (auto [d, dv] : {std::pair<int64_t, int64_t>{256, 256}, {192, 128}}) {
+      GpuCase c{++i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, 333, 1000, d, false, 0, true, {},
+                FwdKernel::Hopper};
+      c.Dv = dv;
+      check_at_offsets(*v, c);
+    }
   for (const Variant* v : {&bias_2d, &with_cols})
     for (int64_t d : {64, 128})
       check_at_offsets(
