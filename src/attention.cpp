@@ -113,13 +113,14 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
 
 int fwd_sm90_block_m(int head_dim, int v_head_dim, int64_t kv_len, bool mask_always_true,
                      bool block_mask) {
-  // Measured (docs/perf.md, "D 64 under a mask at short lengths"): a 192-row tile spans two
-  // BlockMask rows and computes the union of their kv tiles (the diagonal for rows that do not
-  // reach it); at KV_LEN 1k under a causal mask 128-row tiles, which then run the persistent
-  // grid, are 19% faster; without a mask 3% slower, and at 4k slower either way. (The mask's
-  // text decides, not the BlockMask's counts: those may live on the device.)
+  // Measured (docs/perf.md, "D 64 under a mask at short lengths" and "D 64: a tile empty for a
+  // consumer ..."): a 192-row tile spans two BlockMask rows and computes the union of their kv
+  // tiles (the diagonal for rows that do not reach it); under a causal mask 128-row tiles, which
+  // then run the persistent grid, are 12% faster at KV_LEN 1k and 4-5% slower at 2k; without a
+  // mask 3% slower, and at 4k slower either way. The boundary between 1k and 2k is interpolated.
+  // (The mask's text decides, not the BlockMask's counts: those may live on the device.)
   const bool d64 = head_dim == 64 && v_head_dim == 64;
-  return d64 && kv_len <= 2048 && block_mask && !mask_always_true ? 128 : 0;
+  return d64 && kv_len <= 1536 && block_mask && !mask_always_true ? 128 : 0;
 }
 
 bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int64_t kv_len,

@@ -644,9 +644,9 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
                  TensorView{out.data, out.dtype, {1, 1, rows, 64}, {}}, o, &bias_2d),
              Contains("at most 65535 q tiles of 128 rows; Q_LEN 8388481 is more"));
   // D 64 takes 128-row q tiles instead of 192-row ones under a mask's BlockMask up to KV_LEN
-  // 2048 (then persistent too, below), 192-row ones otherwise.
-  CHECK(detail::fwd_sm90_block_m(64, 64, 2048, false, true) == 128);
-  CHECK(detail::fwd_sm90_block_m(64, 64, 2049, false, true) == 0);
+  // 1536 (then persistent too, below), 192-row ones otherwise.
+  CHECK(detail::fwd_sm90_block_m(64, 64, 1536, false, true) == 128);
+  CHECK(detail::fwd_sm90_block_m(64, 64, 1537, false, true) == 0);
   CHECK(detail::fwd_sm90_block_m(64, 64, 1024, true, true) == 0);
   CHECK(detail::fwd_sm90_block_m(64, 64, 1024, false, false) == 0);
   CHECK(detail::fwd_sm90_block_m(128, 128, 1024, false, true) == 0);
@@ -1256,7 +1256,7 @@ TEST_CASE("params, lengths and capture contents change without recompiling", "[g
   a.params.clear();
   REQUIRE(run_case(window, w).pass);  // compiles (or loads) the kernels once
   REQUIRE(run_case(alibi, a).pass);
-  // On Hopper a masked D 64 call takes 128-row q tiles up to KV_LEN 2048 and 192-row ones beyond
+  // On Hopper a masked D 64 call takes 128-row q tiles up to KV_LEN 1536 and 192-row ones beyond
   // (two builds): the longer one compiles here too.
   GpuCase long_w = w;
   long_w.Lq = 17, long_w.Lkv = 4096;
@@ -1502,8 +1502,9 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
   // At D 64 the Hopper kernel's q tiles hold 192 rows, its consumers' 64-row slices lying in two
   // BlockMask rows of 128: its producer merges both rows' tiles, and a tile of one row only is
   // empty for the other's consumers. Masks whose tiles differ from row to row (full and empty
-  // tiles only; partial ones), odd lengths (consumers past Q_LEN), GQA; and a user's BlockMask
-  // that leaves out tiles mask_mod keeps: those count as masked, as FlexAttention has it.
+  // tiles only; partial ones), odd lengths (consumers past Q_LEN), GQA (KV_LEN above 1536: 192-row
+  // tiles; at 448 the 128-row ones short masked sequences take); and a user's BlockMask that
+  // leaves out tiles mask_mod keeps: those count as masked, as FlexAttention has it.
   const Variant stripes = Variant::from_strings(
       "score", "(q_idx // 128 + kv_idx // 128) % 3 != 1", {}, {}, "tile_stripes");
   const Variant halves = Variant::from_strings(
@@ -1512,7 +1513,7 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
   const Variant causal = Variant::from_catalogue("causal");
   int i = 0;
   for (const Variant* v : {&stripes, &halves, &causal})
-    for (auto [lq, lkv] : {std::pair<int64_t, int64_t>{1000, 900}, {193, 700}, {448, 448}})
+    for (auto [lq, lkv] : {std::pair<int64_t, int64_t>{1000, 1700}, {193, 1600}, {448, 448}})
       for (FwdKernel kernel : kernels_for(64)) {
         GpuCase c{++i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, lq, lkv, 64,
                   false, 0, true, {}, kernel};
