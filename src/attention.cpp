@@ -420,15 +420,18 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   // score_mod's [Q_LEN, KV_LEN] tile load by TMA on Hopper, where the capture's layout and shared
   // memory allow (templates/attention_fwd_sm90.cuh, kTileTma).
   const dsl::LaunchFacts& facts = impl.facts;
+  // Dynamic shared memory: the tiles', the hooks', and with tile loads by TMA theirs.
+  const auto smem_of = [&](bool tma) {
+    return int64_t(cfg.smem_bytes + detail::fwd_hook_bytes(facts, cfg, hopper)) +
+           (tma ? detail::fwd_sm90_tile_tma_bytes(cfg, int(D), int(Dv)) : 0);
+  };
   std::optional<FlexcTensorMap> tile_map;
   const auto tile_tma = [&] {
     tile_map.reset();
     if (!hopper || facts.score_tile_slot < 0 || facts.score_tile_q_dim < 0 ||
         captures[size_t(facts.score_tile_slot)] == nullptr)
       return false;
-    const int64_t bytes = int64_t(cfg.smem_bytes + detail::fwd_hook_bytes(facts, cfg, true)) +
-                          detail::fwd_sm90_tile_tma_bytes(cfg, int(D), int(Dv));
-    if (bytes > int64_t(std::min<size_t>(dev.max_smem, 227 * 1024))) return false;
+    if (smem_of(true) > int64_t(std::min<size_t>(dev.max_smem, 227 * 1024))) return false;
     tile_map = detail::tile_map(*captures[size_t(facts.score_tile_slot)], facts.score_tile_kv_dim,
                                 facts.score_tile_q_dim, uint32_t(cfg.block_m));
     return tile_map.has_value();
@@ -478,9 +481,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     for (FlexcTensorMap& m : maps) argv.push_back(&m);
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
-  const size_t smem =
-      size_t(int64_t(cfg.smem_bytes + detail::fwd_hook_bytes(kernel->facts(), cfg, hopper)) +
-             (kc.tile_tma ? detail::fwd_sm90_tile_tma_bytes(cfg, int(D), int(Dv)) : 0));
+  const size_t smem = size_t(smem_of(kc.tile_tma));
   // A CTA per work item (q tile, head, batch), or one per SM looping over them
   // (templates/attention_fwd_sm90.cuh, Items).
   if (kc.persistent) {
@@ -488,7 +489,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                    unsigned(cfg.threads), smem, opts.stream, argv.data());
     return;
   }
-  const bool heads_first = hopper && kernel->facts().score_tiles_share_heads;
+  const bool heads_first = hopper && facts.score_tiles_share_heads;
   kernel->launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
                  unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
 }

@@ -775,6 +775,16 @@ TEST_CASE("NVRTC is searched for in a documented order and a failed search says 
 
 // ---- templates x catalogue
 
+TEST_CASE("NVRTC's own cache is off where it has one: flexc's disk cache keeps the cubins",
+          "[jit]") {
+  // NVRTC 12.9 added a cache of compiled programs; 13.0 (the CI toolkit) has it.
+  const std::vector<std::string> opts = nvrtc_options("sm_90", {{"FLEXC_X", "1"}});
+  const bool off = std::find(opts.begin(), opts.end(), "--no-cache") != opts.end();
+  CHECK(off == (nvrtc_identity().rfind("nvrtc 12.", 0) != 0 ||
+                nvrtc_identity().rfind("nvrtc 12.9", 0) == 0));
+  CHECK(opts.back() == "-DFLEXC_X=1");
+}
+
 TEST_CASE("every kernel template compiles with every catalogue variant for sm_80 and sm_90",
           "[jit][catalogue]") {
   FreshCache cache;

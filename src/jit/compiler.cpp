@@ -29,6 +29,15 @@ const std::string& nvrtc_identity() {
   return id;
 }
 
+static bool nvrtc_has_cache() {
+  static const bool has = [] {
+    int major = 0, minor = 0;
+    nvrtc("finding NVRTC").nvrtcVersion(&major, &minor);
+    return major > 12 || (major == 12 && minor >= 9);
+  }();
+  return has;
+}
+
 static std::vector<int> supported_archs() {
   const NvrtcApi& api = nvrtc("listing NVRTC's architectures");
   int n = 0;
@@ -72,6 +81,9 @@ std::vector<std::string> nvrtc_options(
   check_arch(arch);
   std::vector<std::string> opts = {fmt::format("--gpu-architecture={}", arch), "-std=c++17",
                                    "-default-device", "--extra-device-vectorization"};
+  // NVRTC's own cache (12.9 and newer) keeps what flexc's disk cache keeps already, and on some
+  // hosts its miss costs a third more than the compile itself (docs/perf.md, JIT).
+  if (nvrtc_has_cache()) opts.push_back("--no-cache");
   for (const auto& [name, value] : defines) {
     if (!is_identifier(name) || value.find_first_of("\r\n") != std::string::npos)
       throw Error(

@@ -19,8 +19,9 @@ const std::string& nvrtc_identity();
 // Throws flexc::Error unless NVRTC can target `arch` (sm_80, sm_90a, compute_90, ...).
 void check_arch(std::string_view arch);
 
-// Every option, in order: the architecture, the dialect, the kernel's -D defines, and -lineinfo
-// when FLEXC_LINEINFO=1. No include directories: the templates include no toolkit header.
+// Every option, in order: the architecture, the dialect, --no-cache where NVRTC has a cache of
+// its own, the kernel's -D defines, and -lineinfo when FLEXC_LINEINFO=1. No include directories:
+// the templates include no toolkit header.
 std::vector<std::string> nvrtc_options(
     std::string_view arch, const std::vector<std::pair<std::string, std::string>>& defines);
 
