@@ -132,6 +132,14 @@ bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int6
          sms > 0 && items > sms && items <= std::numeric_limits<int32_t>::max();
 }
 
+bool fwd_sm90_q_regs(const TileConfig& c, int head_dim, int v_head_dim) {
+  // Measured (docs/perf.md, "Q in registers"): D 192 +4-7%, D 96 +2-5%, D 128 +1%; D 192 / Dv
+  // 128 (128-wide kv tiles) and D 64's 128-row tiles within the noise; D 256's O leaves no room
+  // (it spills), nor do D 64's 192-row tiles' 160 registers.
+  return c.block_m == 128 && v_head_dim <= 192 &&
+         (head_dim == 96 || head_dim == 128 || (head_dim == 192 && c.block_n == 64));
+}
+
 int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_dim) {
   const int64_t separate_o = head_dim <= 128 && v_head_dim <= 128
                                  ? int64_t(2) * ((v_head_dim + 63) / 64 * 64) * c.block_m
@@ -277,17 +285,20 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
   const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m);
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
-  KernelSpec spec{"attention_fwd_sm90.cuh",
-                  "flexc_attention_fwd_sm90",
-                  {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
-                   {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
-                   {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
-                   {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
-                   {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
-                   {"FLEXC_STAGES", std::to_string(c.stages)},
-                   {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
-                   {"FLEXC_TILE_TMA", cfg.tile_tma ? "1" : "0"}},
-                  "sm_90a"};
+  KernelSpec spec{
+      "attention_fwd_sm90.cuh",
+      "flexc_attention_fwd_sm90",
+      {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+       {"FLEXC_HEAD_DIM_V", std::to_string(v_head_dim(cfg))},
+       {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"},
+       {"FLEXC_BLOCK_M", std::to_string(c.block_m)},
+       {"FLEXC_BLOCK_N", std::to_string(c.block_n)},
+       {"FLEXC_STAGES", std::to_string(c.stages)},
+       {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
+       {"FLEXC_TILE_TMA", cfg.tile_tma ? "1" : "0"},
+       {"FLEXC_Q_REGS",
+        !cfg.smem_q && detail::fwd_sm90_q_regs(c, cfg.head_dim, v_head_dim(cfg)) ? "1" : "0"}},
+      "sm_90a"};
   add_build_defines(cfg, spec.defines);
   return spec;
 }
@@ -439,19 +450,24 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   kc.tile_tma = tile_tma();
   const jit::Kernel* kernel = &jit::get_kernel(
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
-  // The persistent kernel holds its work item in registers across the loop: where that makes a
-  // variant's hooks spill, the CTA-per-item one runs instead.
-  if (kc.persistent && kernel->local_bytes() > 0) {
-    kc.persistent = false;
+  // Where a variant's hooks spill in the build asked for, the kernel gives up registers in this
+  // order (each rebuild only where it still spills): Q's fragments (24-48 registers of a
+  // consumer's, worth 1-7%), the persistent grid's work item held across the loop, D 64's
+  // 192-row tiles (their consumers have 160 registers; hooks that hold column or tile loads
+  // across the wait need more).
+  const auto spills = [&] { return kernel->local_bytes() > 0; };
+  const auto rebuild = [&] {
     kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
-  }
-  // D 64's 192-row tiles leave each consumer 160 registers; hooks that need more (column or
-  // tile loads held across the wait, say) would spill in the loop: those take 128-row tiles.
-  if (hopper && cfg.block_m > 128 && kernel->local_bytes() > 0) {
+  };
+  if (hopper && spills() && detail::fwd_sm90_q_regs(cfg, int(D), int(Dv)))
+    kc.smem_q = true, rebuild();
+  if (kc.persistent && spills()) kc.persistent = false, rebuild();
+  if (hopper && cfg.block_m > 128 && spills()) {
     kc.block_m = 128;
     cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
     kc.tile_tma = tile_tma();
-    kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
+    rebuild();
+    if (spills() && detail::fwd_sm90_q_regs(cfg, int(D), int(Dv))) kc.smem_q = true, rebuild();
   }
   FlexcAttentionParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;

@@ -27,7 +27,10 @@
 // and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
 // score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
-// consumers read it with ldmatrix; 0: they load their words from global memory themselves).
+// consumers read it with ldmatrix; 0: they load their words from global memory themselves),
+// FLEXC_Q_REGS (1: each consumer warp reads its Q rows into registers once per item and Q.K^T
+// takes A from them, so that it reads only K from shared memory: with 64-wide kv tiles, Q's and
+// K's reads together would take all of shared memory's bandwidth; 0: both from shared memory).
 #define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
@@ -45,6 +48,7 @@ constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
+constexpr bool kQRegs = FLEXC_Q_REGS != 0;
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
 constexpr int kConsumers = kBlockM / 64;
 constexpr int kThreads = 128 * (1 + kConsumers);  // the host launches as many
@@ -225,6 +229,16 @@ __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, in
   for (int kk = 16; kk < kD; kk += 16) {
     wgmma_ss<kBf16, 1>(s, QTile::k_major(q_tile, q_rows, kk), KTile::k_major(k_tile, 0, kk));
   }
+  wgmma_commit();
+}
+
+// The same with Q's A fragments in registers (kQRegs): only K is read from shared memory.
+__device__ __forceinline__ void issue_qk(float (&s)[kNT][4], const unsigned (&qa)[kD / 16][4],
+                                         unsigned k_tile) {
+  wgmma_rs<kBf16, 0, 0, 0, 0>(s, qa[0], KTile::k_major(k_tile, 0, 0));
+#pragma unroll
+  for (int kk = 1; kk < kD / 16; ++kk)
+    wgmma_rs<kBf16, 0, 0, 1, 0>(s, qa[kk], KTile::k_major(k_tile, 0, kk * 16));
   wgmma_commit();
 }
 
@@ -485,9 +499,26 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       continue;
     }
 
+    // kQRegs: the warp's Q rows as A fragments, read once per item.
+    unsigned qa[kD / 16][4];
+    if constexpr (kQRegs) {
+      unsigned w[2][kD / 8];
+      ldmatrix_c<QTile>(w, sm.q, warp * 16);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        qa[kk][0] = w[0][2 * kk], qa[kk][1] = w[1][2 * kk];
+        qa[kk][2] = w[0][2 * kk + 1], qa[kk][3] = w[1][2 * kk + 1];
+      }
+      // Q's last reader: the next item's Q may load (a persistent CTA) with O staged apart.
+      if constexpr (kSeparateO) mbar_arrive(sm.q_empty());
+    }
     float o[1][kDT][4];  // one row tile per warp: the shape OnlineSoftmax and store_rows take
     float s[1][kNT][4];
     unsigned pa[kNT / 2][4];
+    auto qk = [&](int st) {
+      if constexpr (kQRegs) issue_qk(s[0], qa, sm.k_tile(st));
+      else issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+    };
     zero_fragments(o);
     OnlineSoftmax<1, kNT> softmax;
     softmax.init();
@@ -561,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       word = next_word();  // published before K_j arrived; read before the turn, which waits anyway
       take_turn();
       wgmma_fence();
-      issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+      qk(st);
       pass_turn(word == kEnd);
       fill_rel_table(j);
       wgmma_wait<0>();
@@ -583,7 +614,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       fence_regs(pa);
       fence_regs(o[0]);
       wgmma_fence();
-      issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+      qk(st);
       issue_pv(o[0], pa, sm.v_tile(prev));
       pass_turn(word == kEnd);
       fill_rel_table(j);
@@ -601,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       pack_p(s[0], pa);
     }
     // Q's last reader (Q.K^T) is done: the next item's Q may load while this one finishes.
-    if constexpr (kSeparateO) mbar_arrive(sm.q_empty());
+    if constexpr (kSeparateO && !kQRegs) mbar_arrive(sm.q_empty());
     if (j > j0) {
       const int last = (j - 1) % kStages;
       mbar_wait(sm.v_full(last), ((j - 1) / kStages) & 1);

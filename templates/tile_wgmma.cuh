@@ -260,10 +260,10 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a
   }
 }
 
-// d[J0 .. J0 + N / 8) += A.B, m64nNk16, A from registers (mma.sync A fragment of the warp's 16
-// rows), B from shared memory MN-major (transposed). N is 32, 64 or 128; SLICE_NT = N / 8, 0 for
-// all of d.
-template <bool BF16, int SLICE_NT = 0, int J0 = 0, int NT>
+// d[J0 .. J0 + N / 8) (+)= A.B, m64nNk16, A from registers (mma.sync A fragment of the warp's 16
+// rows), B from shared memory MN-major (transposed) unless TRANS_B is 0 (then K-major). N is 32,
+// 64 or 128; SLICE_NT = N / 8, 0 for all of d.
+template <bool BF16, int SLICE_NT = 0, int J0 = 0, int ACCUMULATE = 1, int TRANS_B = 1, int NT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[4],
                                          unsigned long long b) {
   constexpr int kNT = SLICE_NT ? SLICE_NT : NT;
@@ -272,38 +272,38 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[
   if constexpr (kNT == 4) {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n32k16", "bf16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
-                               "%21", "1")
+                               "%21", "%22")
                    : FLEXC_ACC16(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     } else {
       asm volatile(FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
-                               "%21", "1")
+                               "%21", "%22")
                    : FLEXC_ACC16(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     }
   } else if constexpr (kNT == 8) {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
-                               "%37", "1")
+                               "%37", "%38")
                    : FLEXC_ACC32(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     } else {
       asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
-                               "%37", "1")
+                               "%37", "%38")
                    : FLEXC_ACC32(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     }
   } else {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
-                               "%69", "1")
+                               "%69", "%70")
                    : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     } else {
       asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
-                               "%69", "1")
+                               "%69", "%70")
                    : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     }
   }
 }

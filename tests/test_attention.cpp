@@ -663,6 +663,20 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
       detail::fwd_sm90_persistent(detail::fwd_config_sm90(64, 64), 64, 64, 1024, 3072, 132));
   CHECK_FALSE(detail::fwd_sm90_persistent(detail::fwd_config_sm90(256, 256), 256, 256, 1024, 2048,
                                           132));
+  // Q's fragments in registers at 128-row tiles, q / k head dims 96 and 128, and 192 with 64-wide
+  // kv tiles.
+  const auto q_regs = [](int d, int dv, int block_m = 0) {
+    return detail::fwd_sm90_q_regs(detail::fwd_config_sm90(d, dv, block_m), d, dv);
+  };
+  CHECK(q_regs(128, 128));
+  CHECK(q_regs(96, 96));
+  CHECK(q_regs(192, 192));
+  CHECK(q_regs(128, 192));
+  CHECK_FALSE(q_regs(192, 128));  // 128-wide kv tiles
+  CHECK_FALSE(q_regs(256, 256));
+  CHECK_FALSE(q_regs(128, 256));
+  CHECK_FALSE(q_regs(64, 64));
+  CHECK_FALSE(q_regs(64, 64, 128));
   // score_mod's tile load by TMA: two stages of the tile (and their barriers), O staged over Q;
   // a capture whose layout TMA cannot step takes the consumers' own loads (no map).
   CHECK(detail::fwd_sm90_tile_tma_bytes(d128, 128, 128) ==
@@ -817,9 +831,11 @@ int ptxas_stat(const std::string& log, const std::string& entry, const std::stri
 int spill_bytes(const std::string& log, const std::string& entry) {
   return ptxas_stat(log, entry, " bytes spill stores");
 }
-// The Hopper forward kernel's log as flexc::attention would launch it: at D 64, the 192-row
+// The Hopper forward kernel's log as flexc::attention would launch it: Q's fragments in
+// registers where the head dims take them, unless that needs local memory; at D 64, the 192-row
 // tiles unless they need local memory (their consumers' 160 registers do not hold the hooks'
-// working set), then the 128-row ones. `tall`: whether the 192-row one was taken.
+// working set), then the 128-row ones. `tall`: whether the 192-row one was taken; `in_regs`:
+// whether Q's fragments were.
 // A build of the attention kernels beyond the default one: for blocks of a longer sequence
 // (positions), and ring attention's, with float32 outputs as well.
 struct Build {
@@ -835,17 +851,30 @@ struct Build {
   }
 };
 
-std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr,
-                           Build build = {}) {
+std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr, Build build = {},
+                           bool* in_regs = nullptr) {
   jit::KernelConfig kc{"sm_90", "bf16", d, dv};
   build.apply(kc);
-  std::string log = ptxas_log(v, jit::attention_fwd_sm90_spec(kc));
-  const bool fits = ptxas_stat(log, "flexc_attention_fwd_sm90", " bytes stack frame") == 0;
-  if (tall) *tall = d == 64 && dv == 64 && fits;
-  if (d == 64 && dv == 64 && !fits) {
+  const auto log_of = [&] { return ptxas_log(v, jit::attention_fwd_sm90_spec(kc)); };
+  const auto fits = [](const std::string& l) {
+    return ptxas_stat(l, "flexc_attention_fwd_sm90", " bytes stack frame") == 0;
+  };
+  // Q's fragments go first where the build spills with them.
+  const auto q_regs_spill = [&](const std::string& l) {
+    return !fits(l) && !kc.smem_q &&
+           detail::fwd_sm90_q_regs(detail::fwd_config_sm90(d, dv, kc.block_m), d, dv);
+  };
+  std::string log = log_of();
+  if (q_regs_spill(log)) kc.smem_q = true, log = log_of();
+  if (tall) *tall = d == 64 && dv == 64 && fits(log);
+  if (d == 64 && dv == 64 && !fits(log)) {
     kc.block_m = 128;
-    log = ptxas_log(v, jit::attention_fwd_sm90_spec(kc));
+    log = log_of();
+    if (q_regs_spill(log)) kc.smem_q = true, log = log_of();
   }
+  if (in_regs)
+    *in_regs =
+        !kc.smem_q && detail::fwd_sm90_q_regs(detail::fwd_config_sm90(d, dv, kc.block_m), d, dv);
   return log;
 }
 
@@ -869,17 +898,19 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
   // one multiply (`30.0 * tanh(score / 30.0)` did before too): it takes 128-row tiles, 3% slower
   // (docs/perf.md, "Uniform factors folded into one"). The build for a block of a longer
   // sequence (positions) too, for a sample.
+  // At D 128 every catalogue variant keeps Q's fragments in registers.
   for (const std::string& name : Variant::catalogue_names()) {
     const Variant v = Variant::from_catalogue(name);
     for (int d : {64, 128})
       for (const Build& build : builds_of(name)) {
-        bool tall = false;
-        const std::string log = hopper_fwd_log(v, d, d, &tall, build);
+        bool tall = false, in_regs = false;
+        const std::string log = hopper_fwd_log(v, d, d, &tall, build, &in_regs);
         INFO(name << " D " << d << build.describe() << "\n" << log);
         CHECK(log.find("C751") == std::string::npos);
         // More than a few bytes would mean a loop's working set no longer fits.
         CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
         if (d == 64 && name != "softcap") CHECK(tall);
+        CHECK(in_regs == (d == 128));
       }
   }
   // score_mod's and mask_mod's per-key loads are staged in shared memory by the producer's
@@ -943,13 +974,16 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
     }
   // The other head dims (O takes 48 / 96 / 128 registers), with the costliest hooks, and MLA's
   // q / k 192 with v 128 (128-wide kv tiles: S, P and O take 160 registers).
+  // Q's fragments in registers but at D 256 and beside 128-wide kv tiles (192 / 128).
   for (const char* name : {"softcap", "t5_bias", "document", "neighborhood_2d"})
     for (auto [d, dv] : {std::pair{96, 96}, {192, 192}, {256, 256}, {192, 128}}) {
-      const std::string log = ptxas_log(Variant::from_catalogue(name),
-                                        jit::attention_fwd_sm90_spec({"sm_90", "bf16", d, dv}));
+      bool in_regs = false;
+      const std::string log =
+          hopper_fwd_log(Variant::from_catalogue(name), d, dv, nullptr, {}, &in_regs);
       INFO(name << " D " << d << " Dv " << dv << "\n" << log);
       CHECK(log.find("C751") == std::string::npos);
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
+      CHECK(in_regs == (d != 256 && dv != 128));
     }
 }
 
