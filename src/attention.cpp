@@ -132,12 +132,14 @@ bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int6
          sms > 0 && items > sms && items <= std::numeric_limits<int32_t>::max();
 }
 
-bool fwd_sm90_q_regs(const TileConfig& c, int head_dim, int v_head_dim) {
-  // Measured (docs/perf.md, "Q in registers"): D 192 +4-7%, D 96 +2-5%, D 128 +1%; D 192 / Dv
-  // 128 (128-wide kv tiles) and D 64's 128-row tiles within the noise; D 256's O leaves no room
-  // (it spills), nor do D 64's 192-row tiles' 160 registers.
-  return c.block_m == 128 && v_head_dim <= 192 &&
-         (head_dim == 96 || head_dim == 128 || (head_dim == 192 && c.block_n == 64));
+int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim) {
+  // Measured (docs/perf.md, "Q in registers"): with 64-wide kv tiles D 192 +4-7%, D 256 (half of
+  // Q) +2-12%; with 128-wide ones D 96 +2-5%, D 128 +1%, and D 64's 128-row tiles and D 192 /
+  // Dv 128 within the noise. Q's and O's registers together stay within 160 of a consumer's
+  // 240 (D 256's ten chunks spilled); D 64's 192-row consumers have 160 in all.
+  if (c.block_m != 128) return 0;
+  if (c.block_n == 64) return std::min(head_dim / 16, (160 - v_head_dim / 2) / 4);
+  return head_dim == 96 || head_dim == 128 ? head_dim / 16 : 0;
 }
 
 int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_dim) {
@@ -297,7 +299,8 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
        {"FLEXC_PERSISTENT", cfg.persistent ? "1" : "0"},
        {"FLEXC_TILE_TMA", cfg.tile_tma ? "1" : "0"},
        {"FLEXC_Q_REGS",
-        !cfg.smem_q && detail::fwd_sm90_q_regs(c, cfg.head_dim, v_head_dim(cfg)) ? "1" : "0"}},
+        std::to_string(cfg.smem_q ? 0
+                                  : detail::fwd_sm90_q_chunks(c, cfg.head_dim, v_head_dim(cfg)))}},
       "sm_90a"};
   add_build_defines(cfg, spec.defines);
   return spec;
@@ -459,7 +462,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const auto rebuild = [&] {
     kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
   };
-  if (hopper && spills() && detail::fwd_sm90_q_regs(cfg, int(D), int(Dv)))
+  if (hopper && spills() && detail::fwd_sm90_q_chunks(cfg, int(D), int(Dv)) > 0)
     kc.smem_q = true, rebuild();
   if (kc.persistent && spills()) kc.persistent = false, rebuild();
   if (hopper && cfg.block_m > 128 && spills()) {
@@ -467,7 +470,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
     kc.tile_tma = tile_tma();
     rebuild();
-    if (spills() && detail::fwd_sm90_q_regs(cfg, int(D), int(Dv))) kc.smem_q = true, rebuild();
+    if (spills() && detail::fwd_sm90_q_chunks(cfg, int(D), int(Dv)) > 0)
+      kc.smem_q = true, rebuild();
   }
   FlexcAttentionParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;

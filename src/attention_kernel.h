@@ -64,12 +64,13 @@ std::optional<FlexcTensorMap> tile_map(const TensorView& t, int kv_dim, int q_di
 // where a CTA's prologue and epilogue weigh.
 bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int64_t kv_len,
                          int64_t items, int sms);
-// Whether the Hopper forward kernel of configuration `c` keeps a consumer warp's Q rows in
-// registers (Q.K^T then reads only K from shared memory, whose bandwidth Q's and K's reads
-// saturate with 64-wide kv tiles): at 128-row tiles, q / k head dims 96 and 128, and 192 with
-// 64-wide kv tiles (v's head dim above 128), where they fit beside O. A variant whose hooks then
+// How many 16-column chunks of a consumer warp's Q rows the Hopper forward kernel of
+// configuration `c` keeps in registers (Q.K^T then reads only K from shared memory for them;
+// Q's and K's reads together saturate its bandwidth with 64-wide kv tiles): with 64-wide kv
+// tiles as many as fit beside O (all of Q but at D 256, half there), with 128-wide ones all of
+// Q at D 96 and 128, none otherwise (nor at D 64's 192-row tiles). A variant whose hooks then
 // spill runs the build with `smem_q` (jit::KernelConfig).
-bool fwd_sm90_q_regs(const TileConfig& c, int head_dim, int v_head_dim);
+int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 

@@ -28,9 +28,9 @@
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
 // score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
 // consumers read it with ldmatrix; 0: they load their words from global memory themselves),
-// FLEXC_Q_REGS (1: each consumer warp reads its Q rows into registers once per item and Q.K^T
-// takes A from them, so that it reads only K from shared memory: with 64-wide kv tiles, Q's and
-// K's reads together would take all of shared memory's bandwidth; 0: both from shared memory).
+// FLEXC_Q_REGS (how many 16-column chunks of its Q rows each consumer warp reads into registers
+// once per item; Q.K^T takes A from them for those chunks and reads only K from shared memory:
+// with 64-wide kv tiles Q's and K's reads together would take all of its bandwidth; 0: none).
 #define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
@@ -48,7 +48,10 @@ constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
-constexpr bool kQRegs = FLEXC_Q_REGS != 0;
+constexpr int kQChunks = FLEXC_Q_REGS;  // Q's 16-column chunks a consumer holds in registers
+constexpr bool kQRegs = kQChunks > 0;
+constexpr int kQFragments = kQRegs ? kQChunks : 1;  // (an array's size)
+static_assert(kQChunks >= 0 && kQChunks <= kD / 16, "at most all of Q's chunks");
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
 constexpr int kConsumers = kBlockM / 64;
 constexpr int kThreads = 128 * (1 + kConsumers);  // the host launches as many
@@ -232,13 +235,18 @@ __device__ __forceinline__ void issue_qk(float (&s)[kNT][4], unsigned q_tile, in
   wgmma_commit();
 }
 
-// The same with Q's A fragments in registers (kQRegs): only K is read from shared memory.
-__device__ __forceinline__ void issue_qk(float (&s)[kNT][4], const unsigned (&qa)[kD / 16][4],
-                                         unsigned k_tile) {
+// The same with Q's first kQChunks 16-column chunks as A fragments in registers (kQRegs): for
+// those only K is read from shared memory.
+__device__ __forceinline__ void issue_qk(float (&s)[kNT][4], const unsigned (&qa)[kQFragments][4],
+                                         unsigned q_tile, int q_rows, unsigned k_tile) {
   wgmma_rs<kBf16, 0, 0, 0, 0>(s, qa[0], KTile::k_major(k_tile, 0, 0));
 #pragma unroll
-  for (int kk = 1; kk < kD / 16; ++kk)
+  for (int kk = 1; kk < kQChunks; ++kk)
     wgmma_rs<kBf16, 0, 0, 1, 0>(s, qa[kk], KTile::k_major(k_tile, 0, kk * 16));
+#pragma unroll
+  for (int kk = kQChunks; kk < kD / 16; ++kk)
+    wgmma_ss<kBf16, 1>(s, QTile::k_major(q_tile, q_rows, kk * 16),
+                       KTile::k_major(k_tile, 0, kk * 16));
   wgmma_commit();
 }
 
@@ -500,23 +508,23 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     }
 
     // kQRegs: the warp's Q rows as A fragments, read once per item.
-    unsigned qa[kD / 16][4];
+    unsigned qa[kQFragments][4];
     if constexpr (kQRegs) {
-      unsigned w[2][kD / 8];
+      unsigned w[2][2 * kQFragments];
       ldmatrix_c<QTile>(w, sm.q, warp * 16);
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
+      for (int kk = 0; kk < kQChunks; ++kk) {
         qa[kk][0] = w[0][2 * kk], qa[kk][1] = w[1][2 * kk];
         qa[kk][2] = w[0][2 * kk + 1], qa[kk][3] = w[1][2 * kk + 1];
       }
       // Q's last reader: the next item's Q may load (a persistent CTA) with O staged apart.
-      if constexpr (kSeparateO) mbar_arrive(sm.q_empty());
+      if constexpr (kSeparateO && kQChunks == kD / 16) mbar_arrive(sm.q_empty());
     }
     float o[1][kDT][4];  // one row tile per warp: the shape OnlineSoftmax and store_rows take
     float s[1][kNT][4];
     unsigned pa[kNT / 2][4];
     auto qk = [&](int st) {
-      if constexpr (kQRegs) issue_qk(s[0], qa, sm.k_tile(st));
+      if constexpr (kQRegs) issue_qk(s[0], qa, sm.q, q_rows, sm.k_tile(st));
       else issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
     };
     zero_fragments(o);
@@ -632,7 +640,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       pack_p(s[0], pa);
     }
     // Q's last reader (Q.K^T) is done: the next item's Q may load while this one finishes.
-    if constexpr (kSeparateO && !kQRegs) mbar_arrive(sm.q_empty());
+    if constexpr (kSeparateO && kQChunks < kD / 16) mbar_arrive(sm.q_empty());
     if (j > j0) {
       const int last = (j - 1) % kStages;
       mbar_wait(sm.v_full(last), ((j - 1) / kStages) & 1);

@@ -23,7 +23,7 @@ struct KernelConfig {
   // passes the capture's map, detail::tile_map).
   bool tile_tma = false;
   // The Hopper forward kernel: Q.K^T reads Q from shared memory even where the head dims' default
-  // keeps it in registers (detail::fwd_sm90_q_regs): for hooks that would spill beside it.
+  // keeps it in registers (detail::fwd_sm90_q_chunks): for hooks that would spill beside it.
   bool smem_q = false;
   // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
