@@ -134,12 +134,13 @@ bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int6
 
 int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim) {
   // Measured (docs/perf.md, "Q in registers"): with 64-wide kv tiles D 192 +4-7%, D 256 (half of
-  // Q) +2-12%; with 128-wide ones D 96 +2-5%, D 128 +1%, and D 64's 128-row tiles and D 192 /
-  // Dv 128 within the noise. Q's and O's registers together stay within 160 of a consumer's
-  // 240 (D 256's ten chunks spilled); D 64's 192-row consumers have 160 in all.
+  // Q) +2-12%; with 128-wide ones D 96 +2-5%, but D 128 +1% dense and -2-6% for some of the
+  // gallery (sigmoid-bound and sparse masks), D 64's 128-row tiles and D 192 / Dv 128 within
+  // the noise. Q's and O's registers together stay within 160 of a consumer's 240 (D 256's ten
+  // chunks spilled); D 64's 192-row consumers have 160 in all.
   if (c.block_m != 128) return 0;
   if (c.block_n == 64) return std::min(head_dim / 16, (160 - v_head_dim / 2) / 4);
-  return head_dim == 96 || head_dim == 128 ? head_dim / 16 : 0;
+  return head_dim == 96 ? head_dim / 16 : 0;
 }
 
 int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_dim) {

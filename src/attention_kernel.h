@@ -68,7 +68,7 @@ bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int6
 // configuration `c` keeps in registers (Q.K^T then reads only K from shared memory for them;
 // Q's and K's reads together saturate its bandwidth with 64-wide kv tiles): with 64-wide kv
 // tiles as many as fit beside O (all of Q but at D 256, half there), with 128-wide ones all of
-// Q at D 96 and 128, none otherwise (nor at D 64's 192-row tiles). A variant whose hooks then
+// Q at D 96, none otherwise (nor at D 64's 192-row tiles). A variant whose hooks then
 // spill runs the build with `smem_q` (jit::KernelConfig).
 int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim);
 // Whether the Hopper forward kernel has a configuration for this head dim.
