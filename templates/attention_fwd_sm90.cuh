@@ -524,8 +524,10 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     float s[1][kNT][4];
     unsigned pa[kNT / 2][4];
     auto qk = [&](int st) {
-      if constexpr (kQRegs) issue_qk(s[0], qa, sm.q, q_rows, sm.k_tile(st));
-      else issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
+      if constexpr (kQRegs)
+        issue_qk(s[0], qa, sm.q, q_rows, sm.k_tile(st));
+      else
+        issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
     };
     zero_fragments(o);
     OnlineSoftmax<1, kNT> softmax;

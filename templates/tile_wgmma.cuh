@@ -274,36 +274,40 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[
       asm volatile(FLEXC_WGMMA("m64n32k16", "bf16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
                                "%21", "%22")
                    : FLEXC_ACC16(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
+                     "n"(TRANS_B));
     } else {
-      asm volatile(FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
-                               "%21", "%22")
-                   : FLEXC_ACC16(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
+      asm volatile(
+          FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20", "%21", "%22")
+          : FLEXC_ACC16(d, J0)
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     }
   } else if constexpr (kNT == 8) {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
                                "%37", "%38")
                    : FLEXC_ACC32(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
+                     "n"(TRANS_B));
     } else {
-      asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
-                               "%37", "%38")
-                   : FLEXC_ACC32(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
+      asm volatile(
+          FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36", "%37", "%38")
+          : FLEXC_ACC32(d, J0)
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
     }
   } else {
     if constexpr (BF16) {
       asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
                                "%69", "%70")
                    : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
+                     "n"(TRANS_B));
     } else {
       asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
                                "%69", "%70")
                    : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
+                     "n"(TRANS_B));
     }
   }
 }
