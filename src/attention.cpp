@@ -456,9 +456,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
   // Where a variant's hooks spill in the build asked for, the kernel gives up registers in this
   // order (each rebuild only where it still spills): Q's fragments (24-48 registers of a
-  // consumer's, worth 1-7%), the persistent grid's work item held across the loop, D 64's
+  // consumer's, worth 2-12%), the persistent grid's work item held across the loop, D 64's
   // 192-row tiles (their consumers have 160 registers; hooks that hold column or tile loads
-  // across the wait need more).
+  // across the wait need more; D 64 keeps no Q fragments at 128 rows either).
   const auto spills = [&] { return kernel->local_bytes() > 0; };
   const auto rebuild = [&] {
     kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
@@ -471,8 +471,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
     kc.tile_tma = tile_tma();
     rebuild();
-    if (spills() && detail::fwd_sm90_q_chunks(cfg, int(D), int(Dv)) > 0)
-      kc.smem_q = true, rebuild();
   }
   FlexcAttentionParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;

@@ -831,11 +831,6 @@ int ptxas_stat(const std::string& log, const std::string& entry, const std::stri
 int spill_bytes(const std::string& log, const std::string& entry) {
   return ptxas_stat(log, entry, " bytes spill stores");
 }
-// The Hopper forward kernel's log as flexc::attention would launch it: Q's fragments in
-// registers where the head dims take them, unless that needs local memory; at D 64, the 192-row
-// tiles unless they need local memory (their consumers' 160 registers do not hold the hooks'
-// working set), then the 128-row ones. `tall`: whether the 192-row one was taken; `in_regs`:
-// whether Q's fragments were.
 // A build of the attention kernels beyond the default one: for blocks of a longer sequence
 // (positions), and ring attention's, with float32 outputs as well.
 struct Build {
@@ -851,6 +846,11 @@ struct Build {
   }
 };
 
+// The Hopper forward kernel's log as flexc::attention would launch it: Q's fragments in
+// registers where the head dims take them, unless that needs local memory; at D 64 (no Q
+// fragments), the 192-row tiles unless they need local memory (their consumers' 160 registers
+// do not hold the hooks' working set), then the 128-row ones. `tall`: whether the 192-row one
+// was taken; `in_regs`: whether Q's fragments were.
 std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr, Build build = {},
                            bool* in_regs = nullptr) {
   jit::KernelConfig kc{"sm_90", "bf16", d, dv};
@@ -859,22 +859,15 @@ std::string hopper_fwd_log(const Variant& v, int d, int dv, bool* tall = nullptr
   const auto fits = [](const std::string& l) {
     return ptxas_stat(l, "flexc_attention_fwd_sm90", " bytes stack frame") == 0;
   };
-  // Q's fragments go first where the build spills with them.
-  const auto q_regs_spill = [&](const std::string& l) {
-    return !fits(l) && !kc.smem_q &&
-           detail::fwd_sm90_q_chunks(detail::fwd_config_sm90(d, dv, kc.block_m), d, dv) > 0;
-  };
+  const bool q_regs = detail::fwd_sm90_q_chunks(detail::fwd_config_sm90(d, dv), d, dv) > 0;
   std::string log = log_of();
-  if (q_regs_spill(log)) kc.smem_q = true, log = log_of();
+  if (q_regs && !fits(log)) kc.smem_q = true, log = log_of();
+  if (in_regs) *in_regs = q_regs && !kc.smem_q;
   if (tall) *tall = d == 64 && dv == 64 && fits(log);
   if (d == 64 && dv == 64 && !fits(log)) {
     kc.block_m = 128;
     log = log_of();
-    if (q_regs_spill(log)) kc.smem_q = true, log = log_of();
   }
-  if (in_regs)
-    *in_regs = !kc.smem_q &&
-               detail::fwd_sm90_q_chunks(detail::fwd_config_sm90(d, dv, kc.block_m), d, dv) > 0;
   return log;
 }
 
@@ -902,14 +895,13 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
     const Variant v = Variant::from_catalogue(name);
     for (int d : {64, 128})
       for (const Build& build : builds_of(name)) {
-        bool tall = false, in_regs = false;
-        const std::string log = hopper_fwd_log(v, d, d, &tall, build, &in_regs);
+        bool tall = false;
+        const std::string log = hopper_fwd_log(v, d, d, &tall, build);
         INFO(name << " D " << d << build.describe() << "\n" << log);
         CHECK(log.find("C751") == std::string::npos);
         // More than a few bytes would mean a loop's working set no longer fits.
         CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
         if (d == 64 && name != "softcap") CHECK(tall);
-        CHECK_FALSE(in_regs);  // (128-wide kv tiles at D 64 and 128)
       }
   }
   // score_mod's and mask_mod's per-key loads are staged in shared memory by the producer's
