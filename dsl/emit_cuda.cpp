@@ -1125,6 +1125,9 @@ LaunchFacts launch_facts(const EmitInput& in) {
     f.score_tile_kv_dim = static_cast<int>(tiles[0].layout.dim);
     f.score_tile_q_dim = tiles[0].layout.qdim;
   }
+  const std::optional<Rowless> split = rowless_score(score, in.score_math);
+  f.forward_identity = split ? is_identity_score(split->rest, split->rest.root)
+                             : is_identity_score(score, score.root);
   return f;
 }
 

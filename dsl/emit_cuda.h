@@ -52,6 +52,10 @@ struct LaunchFacts {
   // kv_idx and q_idx themselves); -1 when there is none / the q index is not q_idx itself. The
   // Hopper forward kernel then loads the tile by TMA where the capture's layout allows.
   int score_tile_slot = -1, score_tile_kv_dim = -1, score_tile_q_dim = -1;
+  // score_mod as the forward kernels compute it (its row terms apart: FlexcVariant::
+  // kRowlessIdentity, or kIdentityScore) is the identity: the Hopper forward kernel's wide kv
+  // tiles at D 128 only then (a score_mod's own math wants the registers S takes).
+  bool forward_identity = false;
 };
 LaunchFacts launch_facts(const EmitInput& in);
 

@@ -69,7 +69,12 @@ bool fwd_sm90_supports(int head_dim) {
   return head_dim == 64 || head_dim == 96 || head_dim == 128 || head_dim == 192 || head_dim == 256;
 }
 
-TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
+int fwd_sm90_wide_n(int head_dim, int v_head_dim) {
+  if (head_dim != v_head_dim) return 0;
+  return head_dim == 128 ? 176 : head_dim == 192 ? 112 : head_dim == 256 ? 80 : 0;
+}
+
+TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m, bool wide) {
   // A producer warpgroup and two consumer warpgroups of 64 query rows (three at D 64, whose
   // products are half as long: FlashAttention-3's 192-row tiles, when the variant's hooks fit
   // their 160 registers), 128-wide kv tiles (the default BlockMask tile), K and V in two stages
@@ -108,6 +113,19 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m) {
   if (v_head_dim > 128 || smem(128) + fwd_hook_bytes(dsl::kMostLaunchFacts, c, true) > 227 * 1024)
     c.block_n = 64;
   c.smem_bytes = smem(c.block_n);
+  // Wide kv tiles (FlashAttention-3's widths): O over Q, and no hook adds shared memory.
+  if (wide) {
+    if (block_m != 128 || fwd_sm90_wide_n(head_dim, v_head_dim) == 0)
+      throw Error(
+          fmt::format("the Hopper kernel has no wide kv tiles for head dims {} / {} at "
+                      "{}-row q tiles",
+                      head_dim, v_head_dim, block_m));
+    c.block_n = fwd_sm90_wide_n(head_dim, v_head_dim);
+    c.smem_bytes =
+        size_t(2) * (std::max(panels(head_dim), panels(v_head_dim)) * c.block_m +
+                     size_t(c.stages) * c.block_n * (panels(head_dim) + panels(v_head_dim))) +
+        8 * (2 + 7 * c.stages) + 4 * (12 + 2 * c.stages) + 1024;
+  }
   return c;
 }
 
@@ -140,6 +158,12 @@ int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim) {
   // chunks spilled); D 64's 192-row consumers have 160 in all.
   if (c.block_m != 128) return 0;
   if (c.block_n == 64) return std::min(head_dim / 16, (160 - v_head_dim / 2) / 4);
+  // Wide kv tiles: as many as fit beside O, S and P in 212 registers (D 192: 8, D 256: 6), none
+  // at D 128 (within 1% either way).
+  if (c.block_n != 128)
+    return head_dim == 128
+               ? 0
+               : std::min(head_dim / 16, (212 - v_head_dim / 2 - 3 * c.block_n / 4) / 4);
   return head_dim == 96 ? head_dim / 16 : 0;
 }
 
@@ -285,7 +309,8 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg) {
 }
 
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
-  const detail::TileConfig c = detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m);
+  const detail::TileConfig c =
+      detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m, cfg.wide_kv);
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
   KernelSpec spec{
@@ -452,6 +477,13 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     return tile_map.has_value();
   };
   kc.tile_tma = tile_tma();
+  // Without a BlockMask, wide kv tiles where the hooks stage nothing per tile (at D 128 beside
+  // the identity only: softcap and sigmoid-bound gallery variants lost 2-4% there).
+  kc.wide_kv = hopper && !opts.block_mask && !kc.persistent && !kc.tile_tma && cfg.block_m == 128 &&
+               detail::fwd_sm90_wide_n(int(D), int(Dv)) > 0 && facts.score_rel_terms == 0 &&
+               facts.column_loads == 0 && facts.score_tile_slot < 0 &&
+               (D != 128 || facts.forward_identity);
+  if (kc.wide_kv) cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m, true);
   const jit::Kernel* kernel = &jit::get_kernel(
       variant, hopper ? jit::attention_fwd_sm90_spec(kc) : jit::attention_fwd_spec(kc));
   // Where a variant's hooks spill in the build asked for, the kernel gives up registers in this
@@ -463,6 +495,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const auto rebuild = [&] {
     kernel = &jit::get_kernel(variant, jit::attention_fwd_sm90_spec(kc));
   };
+  if (kc.wide_kv && spills()) {
+    kc.wide_kv = false;
+    cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m);
+    rebuild();
+  }
   if (hopper && spills() && detail::fwd_sm90_q_chunks(cfg, int(D), int(Dv)) > 0)
     kc.smem_q = true, rebuild();
   if (kc.persistent && spills()) kc.persistent = false, rebuild();

@@ -24,7 +24,8 @@
 // FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
 // FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows; 192 at D 64: three), FLEXC_BLOCK_N
 // (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
-// and shared memory must hold Q and two stages of K and V), FLEXC_STAGES (2), FLEXC_PERSISTENT
+// and shared memory must hold Q and two stages of K and V; without a BlockMask 176, 112 or 80 at
+// D 128, 192 or 256: the wide tiles, kWide), FLEXC_STAGES (2), FLEXC_PERSISTENT
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
 // score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
 // consumers read it with ldmatrix; 0: they load their words from global memory themselves),
@@ -48,7 +49,15 @@ constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
-constexpr int kQChunks = FLEXC_Q_REGS;  // Q's 16-column chunks a consumer holds in registers
+// Wide kv tiles (80, 112, 176: FlashAttention-3's) run only without a BlockMask, whose tiles
+// they would not divide, and without hooks that stage per-tile loads (src/attention.cpp,
+// detail::fwd_sm90_wide_n).
+constexpr bool kWide = kBlockN != 64 && kBlockN != 128;
+// Q's 16-column chunks a consumer holds in registers. Beside wide kv tiles a score_mod other than
+// the identity takes at most 4: its own math needs the registers (softcap at D 192 / 256 +5-10%
+// with 4 rather than 8 / 6; docs/perf.md, "Wide kv tiles").
+constexpr int kQChunks =
+    kWide && !flexc_attn::kIdentityScore && FLEXC_Q_REGS > 4 ? 4 : FLEXC_Q_REGS;
 constexpr bool kQRegs = kQChunks > 0;
 constexpr int kQFragments = kQRegs ? kQChunks : 1;  // (an array's size)
 static_assert(kQChunks >= 0 && kQChunks <= kD / 16, "at most all of Q's chunks");
@@ -61,7 +70,7 @@ constexpr int kDT = kDv / 8;      // n8 column tiles of O per warp
 constexpr bool head_dim_ok(int d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
 static_assert(head_dim_ok(kD) && head_dim_ok(kDv), "head dims 64, 96, 128, 192 or 256");
 static_assert((kBlockM == 128 || (kBlockM == 192 && kD == 64 && kDv == 64)) &&
-                  (kBlockN == 128 || kBlockN == 64) && kStages >= 2,
+                  (!kWide || (kBlockM == 128 && kWgmmaN<kBlockN / 8>)) && kStages >= 2,
               "the configurations built and tested");
 // The schedule the producer publishes: per kv tile one word, the tile's first kv index (a multiple
 // of kBlockN) with consumer c's TileKind in bits 2c, 2c + 1; kEnd after the last tile. Word j + 1
@@ -76,7 +85,8 @@ using QTile = Sw128Tile<kBlockM, kD>;
 using KTile = Sw128Tile<kBlockN, kD>;
 using VTile = Sw128Tile<kBlockN, kDv>;
 using OTile = Sw128Tile<kBlockM, kDv>;  // the epilogue's staging, over Q
-using BTile = Sw128Tile<kBlockM, kBlockN>;  // score_mod's tile load (kTileTma), 16-bit
+// score_mod's tile load (kTileTma), 16-bit; never with wide kv tiles (a placeholder then).
+using BTile = Sw128Tile<kBlockM, kWide ? 64 : kBlockN>;
 constexpr int kBBytes = kTileTma ? BTile::kBytes : 0;
 // score_mod's relative terms, tabulated per consumer (64 rows) and kv tile: two tables per
 // consumer, since it fills the next tile's while the last one's may still be read.
@@ -90,10 +100,10 @@ constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[], t_full[],
 // t_empty[], then q_empty, then the tile loads' b_full[] and b_empty[] (kTileTma).
 constexpr int kBarriers = 2 + 7 * kStages + (kTileTma ? 2 * kStages : 0);
-// O is staged apart from Q where both fit (head dims up to 128, no tile-load stages), so that a
-// CTA's next Q loads while it stores the last output; over Q's bytes otherwise (then the next Q
-// waits for the store).
-constexpr bool kSeparateO = kD <= 128 && kDv <= 128 && !kTileTma;
+// O is staged apart from Q where both fit (head dims up to 128, no tile-load stages, no wide kv
+// tiles), so that a CTA's next Q loads while it stores the last output; over Q's bytes otherwise
+// (then the next Q waits for the store).
+constexpr bool kSeparateO = kD <= 128 && kDv <= 128 && !kTileTma && !kWide;
 constexpr int kQBytes = kSeparateO || QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kOBytes = kSeparateO ? OTile::kBytes : 0;
 // score_mod's and mask_mod's column loads, staged per kv tile in shared memory by the producer's
@@ -102,6 +112,8 @@ constexpr int kOBytes = kSeparateO ? OTile::kBytes : 0;
 constexpr int kLoaders = 96;
 using Staged = flexc_attn::StagedColumns<kBlockN>;
 constexpr bool kStaging = Staged::kBytes > 0;
+static_assert(!kWide || (!kStaging && !kTileTma && RelTable::kTerms == 0),
+              "wide kv tiles: no per-tile loads or tables");
 constexpr int kSmemBytes = kQBytes + kOBytes +
                            kStages * (KTile::kBytes + VTile::kBytes + kBBytes + Staged::kBytes) +
                            8 * kBarriers + 4 * kRing + 8 * kStages + 16 + kConsumers * kRelBytes;

@@ -213,6 +213,20 @@ __device__ __forceinline__ void regs_inc() {
 #define FLEXC_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FLEXC_REGS64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FLEXC_REGS40                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39}"
+#define FLEXC_REGS56                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55}"
+#define FLEXC_REGS88                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "  \
+  "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 // One wgmma: SHAPE like "m64n128k16", T "bf16" / "f16", REGS the accumulator list, A and B the
 // operand text, SCALE_D the operand of the accumulate flag (an immediate: 0 for D = A.B, 1 for
 // D += A.B; a predicate computed in the asm would count as a non-wgmma instruction feeding it,
@@ -221,94 +235,84 @@ __device__ __forceinline__ void regs_inc() {
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " " REGS ", " A ", " B ", " SCALE_D \
   ", 1, 1, " TRANS ";\n"
 
-// d (+)= A.B, m64nNk16 (N = 8 NT: 32, 64 or 128), A and B from shared memory, K-major unless
+// The kv tile widths the Hopper forward kernel's S = Q.K^T takes (N = 8 NT): 32, 64, 128, and
+// 80, 112 and 176 for its wide tiles (no BlockMask: templates/attention_fwd_sm90.cuh).
+template <int NT>
+constexpr bool kWgmmaN = NT == 4 || NT == 8 || NT == 10 || NT == 14 || NT == 16 || NT == 22;
+#define FLEXC_SS_ASM(T, SHAPE, REGS, A, B, SD, TR, ...)  \
+  asm volatile(FLEXC_WGMMA(SHAPE, T, REGS, A, B, SD, TR) \
+               : __VA_ARGS__                             \
+               : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B))
+#define FLEXC_SS_CASE(SHAPE, REGS, A, B, SD, TR, ...)             \
+  if constexpr (BF16)                                             \
+    FLEXC_SS_ASM("bf16", SHAPE, REGS, A, B, SD, TR, __VA_ARGS__); \
+  else                                                            \
+    FLEXC_SS_ASM("f16", SHAPE, REGS, A, B, SD, TR, __VA_ARGS__)
+#define FLEXC_RS_ASM(T, SHAPE, REGS, A, B, SD, TR, ...)                               \
+  asm volatile(FLEXC_WGMMA(SHAPE, T, REGS, A, B, SD, TR)                              \
+               : __VA_ARGS__                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), \
+                 "n"(TRANS_B))
+#define FLEXC_RS_CASE(SHAPE, REGS, A, B, SD, TR, ...)             \
+  if constexpr (BF16)                                             \
+    FLEXC_RS_ASM("bf16", SHAPE, REGS, A, B, SD, TR, __VA_ARGS__); \
+  else                                                            \
+    FLEXC_RS_ASM("f16", SHAPE, REGS, A, B, SD, TR, __VA_ARGS__)
+
+// d (+)= A.B, m64nNk16 (N = 8 NT, kWgmmaN), A and B from shared memory, K-major unless
 // TRANS_A / TRANS_B (then MN-major, 16-bit types only).
 template <bool BF16, int ACCUMULATE, int TRANS_A = 0, int TRANS_B = 0, int NT>
 __device__ __forceinline__ void wgmma_ss(float (&d)[NT][4], unsigned long long a,
                                          unsigned long long b) {
-  static_assert(NT == 4 || NT == 8 || NT == 16, "wgmma_ss: N must be 32, 64 or 128");
+  static_assert(kWgmmaN<NT>, "wgmma_ss: N must be 32, 64, 80, 112, 128 or 176");
   if constexpr (NT == 4) {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n32k16", "bf16", FLEXC_REGS16, "%16", "%17", "%18", "%19, %20")
-                   : FLEXC_ACC16(d, 0)
-                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
-    } else {
-      asm volatile(FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "%16", "%17", "%18", "%19, %20")
-                   : FLEXC_ACC16(d, 0)
-                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
-    }
+    FLEXC_SS_CASE("m64n32k16", FLEXC_REGS16, "%16", "%17", "%18", "%19, %20", FLEXC_ACC16(d, 0));
   } else if constexpr (NT == 8) {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "%32", "%33", "%34", "%35, %36")
-                   : FLEXC_ACC32(d, 0)
-                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
-    } else {
-      asm volatile(FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "%32", "%33", "%34", "%35, %36")
-                   : FLEXC_ACC32(d, 0)
-                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
-    }
-  } else {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "%64", "%65", "%66", "%67, %68")
-                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
-                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
-    } else {
-      asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "%64", "%65", "%66", "%67, %68")
-                   : FLEXC_ACC32(d, 0), FLEXC_ACC32(d, 8)
-                   : "l"(a), "l"(b), "n"(ACCUMULATE), "n"(TRANS_A), "n"(TRANS_B));
-    }
+    FLEXC_SS_CASE("m64n64k16", FLEXC_REGS32, "%32", "%33", "%34", "%35, %36", FLEXC_ACC32(d, 0));
+  } else if constexpr (NT == 10) {
+    FLEXC_SS_CASE("m64n80k16", FLEXC_REGS40, "%40", "%41", "%42", "%43, %44", FLEXC_ACC32(d, 0),
+                  FLEXC_ACC4(d, 8), FLEXC_ACC4(d, 9));
+  } else if constexpr (NT == 14) {
+    FLEXC_SS_CASE("m64n112k16", FLEXC_REGS56, "%56", "%57", "%58", "%59, %60", FLEXC_ACC32(d, 0),
+                  FLEXC_ACC16(d, 8), FLEXC_ACC4(d, 12), FLEXC_ACC4(d, 13));
+  } else if constexpr (NT == 16) {
+    FLEXC_SS_CASE("m64n128k16", FLEXC_REGS64, "%64", "%65", "%66", "%67, %68", FLEXC_ACC32(d, 0),
+                  FLEXC_ACC32(d, 8));
+  } else if constexpr (NT == 22) {
+    FLEXC_SS_CASE("m64n176k16", FLEXC_REGS88, "%88", "%89", "%90", "%91, %92", FLEXC_ACC32(d, 0),
+                  FLEXC_ACC32(d, 8), FLEXC_ACC16(d, 16), FLEXC_ACC4(d, 20), FLEXC_ACC4(d, 21));
   }
 }
 
 // d[J0 .. J0 + N / 8) (+)= A.B, m64nNk16, A from registers (mma.sync A fragment of the warp's 16
-// rows), B from shared memory MN-major (transposed) unless TRANS_B is 0 (then K-major). N is 32,
-// 64 or 128; SLICE_NT = N / 8, 0 for all of d.
+// rows), B from shared memory MN-major (transposed) unless TRANS_B is 0 (then K-major). N as
+// wgmma_ss's; SLICE_NT = N / 8, 0 for all of d.
 template <bool BF16, int SLICE_NT = 0, int J0 = 0, int ACCUMULATE = 1, int TRANS_B = 1, int NT>
 __device__ __forceinline__ void wgmma_rs(float (&d)[NT][4], const unsigned (&a)[4],
                                          unsigned long long b) {
   constexpr int kNT = SLICE_NT ? SLICE_NT : NT;
-  static_assert(kNT == 4 || kNT == 8 || kNT == 16, "wgmma_rs: N must be 32, 64 or 128");
+  static_assert(kWgmmaN<kNT>, "wgmma_rs: N must be 32, 64, 80, 112, 128 or 176");
   static_assert(J0 + kNT <= NT, "the slice lies in d");
   if constexpr (kNT == 4) {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n32k16", "bf16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20",
-                               "%21", "%22")
-                   : FLEXC_ACC16(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
-                     "n"(TRANS_B));
-    } else {
-      asm volatile(
-          FLEXC_WGMMA("m64n32k16", "f16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20", "%21", "%22")
-          : FLEXC_ACC16(d, J0)
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
-    }
+    FLEXC_RS_CASE("m64n32k16", FLEXC_REGS16, "{%16, %17, %18, %19}", "%20", "%21", "%22",
+                  FLEXC_ACC16(d, J0));
   } else if constexpr (kNT == 8) {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n64k16", "bf16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36",
-                               "%37", "%38")
-                   : FLEXC_ACC32(d, J0)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
-                     "n"(TRANS_B));
-    } else {
-      asm volatile(
-          FLEXC_WGMMA("m64n64k16", "f16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36", "%37", "%38")
-          : FLEXC_ACC32(d, J0)
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE), "n"(TRANS_B));
-    }
-  } else {
-    if constexpr (BF16) {
-      asm volatile(FLEXC_WGMMA("m64n128k16", "bf16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
-                               "%69", "%70")
-                   : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
-                     "n"(TRANS_B));
-    } else {
-      asm volatile(FLEXC_WGMMA("m64n128k16", "f16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68",
-                               "%69", "%70")
-                   : FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE),
-                     "n"(TRANS_B));
-    }
+    FLEXC_RS_CASE("m64n64k16", FLEXC_REGS32, "{%32, %33, %34, %35}", "%36", "%37", "%38",
+                  FLEXC_ACC32(d, J0));
+  } else if constexpr (kNT == 10) {
+    FLEXC_RS_CASE("m64n80k16", FLEXC_REGS40, "{%40, %41, %42, %43}", "%44", "%45", "%46",
+                  FLEXC_ACC32(d, J0), FLEXC_ACC4(d, J0 + 8), FLEXC_ACC4(d, J0 + 9));
+  } else if constexpr (kNT == 14) {
+    FLEXC_RS_CASE("m64n112k16", FLEXC_REGS56, "{%56, %57, %58, %59}", "%60", "%61", "%62",
+                  FLEXC_ACC32(d, J0), FLEXC_ACC16(d, J0 + 8), FLEXC_ACC4(d, J0 + 12),
+                  FLEXC_ACC4(d, J0 + 13));
+  } else if constexpr (kNT == 16) {
+    FLEXC_RS_CASE("m64n128k16", FLEXC_REGS64, "{%64, %65, %66, %67}", "%68", "%69", "%70",
+                  FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8));
+  } else if constexpr (kNT == 22) {
+    FLEXC_RS_CASE("m64n176k16", FLEXC_REGS88, "{%88, %89, %90, %91}", "%92", "%93", "%94",
+                  FLEXC_ACC32(d, J0), FLEXC_ACC32(d, J0 + 8), FLEXC_ACC16(d, J0 + 16),
+                  FLEXC_ACC4(d, J0 + 20), FLEXC_ACC4(d, J0 + 21));
   }
 }
 
@@ -325,7 +329,14 @@ __device__ __forceinline__ void wgmma_rs_cols(float (&d)[NT][4], const unsigned 
   if constexpr (kLeft > kSlice) wgmma_rs_cols<Tile, BF16, J0 + kSlice>(d, a, tile, row0);
 }
 
+#undef FLEXC_RS_CASE
+#undef FLEXC_RS_ASM
+#undef FLEXC_SS_CASE
+#undef FLEXC_SS_ASM
 #undef FLEXC_WGMMA
+#undef FLEXC_REGS88
+#undef FLEXC_REGS56
+#undef FLEXC_REGS40
 #undef FLEXC_REGS64
 #undef FLEXC_REGS32
 #undef FLEXC_REGS16

@@ -703,6 +703,33 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
     CHECK(c.smem_bytes <= 227 * 1024);
     CHECK(c.block_n == (d > 128 ? 64 : 128));
   }
+  // Without a BlockMask, FlashAttention-3's wide kv tiles at D 128, 192 and 256 (O over Q), with
+  // as many of Q's chunks in registers as fit beside O, S and P.
+  for (auto [d, n, chunks] : {std::tuple{128, 176, 0}, {192, 112, 8}, {256, 80, 6}}) {
+    const detail::TileConfig c = detail::fwd_config_sm90(d, d, 0, true);
+    INFO("D " << d << " wide");
+    CHECK(detail::fwd_sm90_wide_n(d, d) == n);
+    CHECK(c.block_n == n);
+    CHECK(c.smem_bytes <= 227 * 1024);
+    CHECK(detail::fwd_sm90_q_chunks(c, d, d) == chunks);
+  }
+  // At D 128 only beside a score_mod the forward kernels compute as the identity (its row terms
+  // and a positive factor apart).
+  const auto forward_identity = [](const Variant& v) {
+    return dsl::launch_facts(detail::emit_input(detail::impl_of(v))).forward_identity;
+  };
+  CHECK(forward_identity(Variant::from_catalogue("noop")));
+  CHECK(forward_identity(Variant::from_catalogue("causal")));
+  CHECK(forward_identity(Variant::from_strings("score * 0.5 + qb[h, q_idx]", "true",
+                                               {{"qb", "float32", {"H", "Q_LEN"}}}, {}, "qb")));
+  CHECK_FALSE(forward_identity(Variant::from_catalogue("softcap")));
+  CHECK_FALSE(
+      forward_identity(Variant::from_strings("score + 0.01 * kv_idx", "true", {}, {}, "k")));
+  for (auto [d, dv] : {std::pair{64, 64}, {96, 96}, {192, 128}, {128, 256}}) {
+    CHECK(detail::fwd_sm90_wide_n(d, dv) == 0);
+    CHECK_THROWS_WITH(detail::fwd_config_sm90(d, dv, 128, true),
+                      Contains(fmt::format("no wide kv tiles for head dims {} / {}", d, dv)));
+  }
   // Every pair of head dims and q tile, with the most shared memory any variant's hooks add.
   for (int d : {64, 96, 128, 192, 256})
     for (int dv : {64, 96, 128, 192, 256})
@@ -960,6 +987,20 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       const std::string log =
           ptxas_log(Variant::from_catalogue(name), jit::attention_fwd_sm90_spec(kc));
       INFO(name << " D " << d << " persistent\n" << log);
+      CHECK(log.find("C751") == std::string::npos);
+      CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") == 0);
+    }
+  // Wide kv tiles (calls without a BlockMask, hooks that stage nothing per tile): a score_mod
+  // beside Q's fragments at D 192 / 256 (D 128 takes them beside the identity only), and a mask
+  // evaluated on every tile.
+  for (const char* name : {"noop", "softcap", "causal"})
+    for (int d : {128, 192, 256}) {
+      if (d == 128 && std::string_view(name) == "softcap") continue;
+      jit::KernelConfig kc{"sm_90", "bf16", d, d};
+      kc.wide_kv = true;
+      const std::string log =
+          ptxas_log(Variant::from_catalogue(name), jit::attention_fwd_sm90_spec(kc));
+      INFO(name << " D " << d << " wide kv tiles\n" << log);
       CHECK(log.find("C751") == std::string::npos);
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") == 0);
     }
@@ -1489,6 +1530,40 @@ TEST_CASE("the persistent Hopper kernel matches the reference over many work ite
       check_at_offsets(v, {i % 2 ? DType::BF16 : DType::F16, 3, 8, 2, 1000, 1100, d, false, 0,
                            true, {}, FwdKernel::Hopper});
     }
+}
+
+TEST_CASE("wide kv tiles, without a BlockMask, match the reference", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Calls without a BlockMask take kv tiles of 176 / 112 / 80 keys at D 128 / 192 / 256 (D 128
+  // beside the identity score_mod only: softcap there checks the fallback): lengths a key short
+  // of a tile, a key past one and past three, Q_LEN != KV_LEN, GQA, both dtypes; a score_mod
+  // (softcap: fewer of Q's chunks in registers), a mask evaluated on every tile, and rows that
+  // see no key (output 0, LSE -inf) beside rows that do; at offsets too.
+  const Variant none_below = Variant::from_strings("score", "kv_idx < q_idx - 150", {}, {}, "late");
+  int i = 0;
+  for (auto [d, n] : {std::pair{128, 176}, {192, 112}, {256, 80}})
+    for (const Variant& v : {Variant::from_catalogue("noop"), Variant::from_catalogue("softcap"),
+                             Variant::from_catalogue("causal"), none_below})
+      for (int64_t lkv : {n - 1, n + 1, 3 * n + 1}) {
+        ++i;
+        GpuCase c{i % 2 ? DType::BF16 : DType::F16,
+                  1 + i % 2,
+                  4,
+                  2,
+                  200 + 3 * n,
+                  lkv,
+                  d,
+                  i % 3 == 0,
+                  0,
+                  false,
+                  {},
+                  FwdKernel::Hopper};
+        INFO(v.name() << ": " << c.describe());
+        const Accuracy a = run_case(v, c);
+        INFO(a.summary());
+        CHECK(a.pass);
+        if (lkv == 3 * n + 1) check_at_offsets(v, c);
+      }
 }
 
 TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
