@@ -158,12 +158,10 @@ int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim) {
   // chunks spilled); D 64's 192-row consumers have 160 in all.
   if (c.block_m != 128) return 0;
   if (c.block_n == 64) return std::min(head_dim / 16, (160 - v_head_dim / 2) / 4);
-  // Wide kv tiles: as many as fit beside O, S and P in 212 registers (D 192: 8, D 256: 6), none
-  // at D 128 (within 1% either way).
+  // Wide kv tiles: as many as fit beside O, S and P in 212 registers (D 128: 4, D 192: 8, D 256:
+  // 6; the kernel keeps at most 4 beside a score_mod other than the identity).
   if (c.block_n != 128)
-    return head_dim == 128
-               ? 0
-               : std::min(head_dim / 16, (212 - v_head_dim / 2 - 3 * c.block_n / 4) / 4);
+    return std::min(head_dim / 16, (212 - v_head_dim / 2 - 3 * c.block_n / 4) / 4);
   return head_dim == 96 ? head_dim / 16 : 0;
 }
 
