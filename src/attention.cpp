@@ -475,10 +475,14 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     return tile_map.has_value();
   };
   kc.tile_tma = tile_tma();
-  // Without a BlockMask, wide kv tiles where the hooks stage nothing per tile (at D 128 beside
-  // the identity only: softcap and sigmoid-bound gallery variants lost 2-4% there).
-  kc.wide_kv = hopper && !opts.block_mask && !kc.persistent && !kc.tile_tma && cfg.block_m == 128 &&
-               detail::fwd_sm90_wide_n(int(D), int(Dv)) > 0 && facts.score_rel_terms == 0 &&
+  // Wide kv tiles where the hooks stage nothing per tile (at D 128 beside the identity only:
+  // softcap and sigmoid-bound gallery variants lost 2-4% there), without a BlockMask or over one
+  // whose kv tiles are wider (a kernel tile then straddles at most two: KvStraddle in
+  // templates/attention_tile.cuh), with tile indices below 2^24 (the schedule's words).
+  const int wide_n = detail::fwd_sm90_wide_n(int(D), int(Dv));
+  kc.wide_kv = hopper && wide_n > 0 && !kc.persistent && !kc.tile_tma && cfg.block_m == 128 &&
+               (!opts.block_mask || opts.block_mask->kv_tile() > wide_n) &&
+               kv_len < (int64_t(1) << 24) * wide_n && facts.score_rel_terms == 0 &&
                facts.column_loads == 0 && facts.score_tile_slot < 0 &&
                (D != 128 || facts.forward_identity);
   if (kc.wide_kv) cfg = detail::fwd_config_sm90(int(D), int(Dv), kc.block_m, true);

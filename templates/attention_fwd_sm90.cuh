@@ -5,10 +5,10 @@
 // one consumer warpgroup per 64 q rows (two for 128-row tiles; three for D 64's 192-row tiles,
 // where a tile's products are half as long and a third consumer keeps the tensor cores busy):
 // - warpgroup 0 produces: one thread walks the kv tiles (KvUnion: a 192-row tile spans two
-//   BlockMask rows), publishes each tile's schedule word (its kv index and each consumer's tile
-//   kind) in a ring in shared memory, and loads Q once and then K and V (and score_mod's
-//   [Q_LEN, KV_LEN] tile where FLEXC_TILE_TMA) tile by tile with TMA
-//   into wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
+//   BlockMask rows; KvStraddle: wide tiles over a BlockMask's), publishes each tile's schedule
+//   word (its kv index and each consumer's tile kind) in a ring in shared memory, and loads Q once
+//   and then K and V (and score_mod's [Q_LEN, KV_LEN] tile where FLEXC_TILE_TMA) tile by tile with
+//   TMA into wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
 //   completing on a "full" mbarrier; it waits on the stage's "empty" mbarrier before reusing it.
 //   Its warps 1-3 stage the hooks' per-key loads of each tile in shared memory
 //   (StagedColumns), in stages of their own, so the consumers spend no registers on them.
@@ -73,12 +73,14 @@ static_assert((kBlockM == 128 || (kBlockM == 192 && kD == 64 && kDv == 64)) &&
                   (!kWide || (kBlockM == 128 && kWgmmaN<kBlockN / 8>)) && kStages >= 2,
               "the configurations built and tested");
 // The schedule the producer publishes: per kv tile one word, the tile's first kv index (a multiple
-// of kBlockN) with consumer c's TileKind in bits 2c, 2c + 1; kEnd after the last tile. Word j + 1
-// is written before K_j's load arrives on its "full" barrier, so a consumer that waited for K_j
-// reads it; the ring outlasts the kStages tiles a consumer may lag behind the producer.
+// of kBlockN) with consumer c's TileKind in bits 2c, 2c + 1; kEnd after the last tile. Wide tiles
+// (KvStraddle) carry two kinds per consumer, its first and its last key's BlockMask tile's, in
+// bits 4c .. 4c + 3, and the tile's index from bit 8. Word j + 1 is written before K_j's load
+// arrives on its "full" barrier, so a consumer that waited for K_j reads it; the ring outlasts the
+// kStages tiles a consumer may lag behind the producer.
 constexpr int kRing = 8;
 constexpr unsigned kEnd = 0xffffffffu, kKindMask = (1u << (2 * kConsumers)) - 1;
-static_assert(kBlockN >= (1 << (2 * kConsumers)) && kRing > kStages + 1,
+static_assert((kWide || kBlockN >= (1 << (2 * kConsumers))) && kRing > kStages + 1,
               "kinds fit below the kv index; the ring outlasts the stages");
 
 using QTile = Sw128Tile<kBlockM, kD>;
@@ -134,7 +136,7 @@ constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers,
               kRelBarrier = 1 + 2 * kConsumers;
 static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
 
-using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3>;
+using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3, kWide>;
 
 struct Smem {
   unsigned q, o, k, v, bt, t, bars, ring;  // shared-memory addresses
@@ -168,6 +170,16 @@ struct Smem {
     return bars + 8 * (2 + 8 * kStages + s);
   }
   __device__ __forceinline__ unsigned tables() const { return item() + 16; }
+};
+
+// T where B holds, F otherwise (std::conditional, which NVRTC's headers lack).
+template <bool B, class T, class F>
+struct Pick {
+  using type = T;
+};
+template <class T, class F>
+struct Pick<false, T, F> {
+  using type = F;
 };
 
 // Work items: one per (q tile, query head, batch).
@@ -318,15 +330,24 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
   const int h_kv = h / (p.q_heads / p.kv_heads);
   int b_col = 0, b_row = 0;
   if constexpr (kTileTma) tile_origin(p, args, b, h, q0, b_col, b_row);
-  // The BlockMask rows of the first and the last active consumer.
-  flexc_attn::KvUnion<kBlockN> tiles(bm, b, h, q0, q0 + 64 * (active - 1), p.kv_len);
+  // The BlockMask rows of the first and the last active consumer (wide tiles: one row).
+  using Tiles =
+      typename Pick<kWide, flexc_attn::KvStraddle<kBlockN>, flexc_attn::KvUnion<kBlockN>>::type;
+  Tiles tiles(bm, b, h, q0, q0 + 64 * (active - 1), p.kv_len);
   // Which of the two rows' kinds each consumer takes (bit c set: the second row's).
   unsigned second = 0;
-  if (bm.kv_num != nullptr)
+  if (!kWide && bm.kv_num != nullptr)
     for (int c = 1; c < active; ++c)
       if ((q0 + 64 * c) / bm.q_tile != q0 / bm.q_tile) second |= 1u << c;
   auto word = [&](int kv0, unsigned kinds) {
     if (kv0 < 0) return kEnd;
+    if constexpr (kWide) {
+      unsigned x = unsigned(kv0 / kBlockN) << 8;
+#pragma unroll
+      for (int c = 0; c < kConsumers; ++c)
+        if (c < active) x |= (kinds & 15u) << (4 * c);
+      return x;
+    }
     unsigned x = unsigned(kv0);
 #pragma unroll
     for (int c = 0; c < kConsumers; ++c)
@@ -546,15 +567,24 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     softmax.init();
     int kv0 = 0;
     unsigned kind = flexc_attn::kTileEmpty;
+    typename Scores::Columns cols;
     auto read_word = [&] {
-      kv0 = int(word & ~kKindMask);
-      kind = (word >> (2 * cw)) & 3u;
+      if constexpr (kWide) {
+        // Over two BlockMask tiles of different kinds: partial, each key taking its own.
+        kv0 = int(word >> 8) * kBlockN;
+        cols.kind_lo = (word >> (4 * cw)) & 3u, cols.kind_hi = (word >> (4 * cw + 2)) & 3u;
+        const bool same = cols.kind_lo == cols.kind_hi;
+        kind = same ? cols.kind_lo : flexc_attn::kTilePartial;
+        cols.split = same ? 0 : (kv0 / bm.kv_tile + 1) * bm.kv_tile + flexc_attn::kv_pos0(p);
+      } else {
+        kv0 = int(word & ~kKindMask);
+        kind = (word >> (2 * cw)) & 3u;
+      }
     };
     // score_mod's tile loads (a [Q_LEN, KV_LEN] bias) of the current tile, issued before this
     // consumer waits for its turn and for S: the wait hides their latency. The rows' pointers
     // are the q tile's, pinned in registers.
     // With kTileTma they come by TMA instead, read in softmax_tile.
-    typename Scores::Columns cols;
     typename Scores::TileRows tile_rows{};
     if constexpr (!kTileTma) tile_rows = Scores::tile_rows(p, args, b, h, row0);
     auto load_columns = [&] {

@@ -237,6 +237,14 @@ struct KvUnion {
     if (full_at(bm, r) == t) return ++r.at_full, dense ? kDenseKind : kTileFull;
     return kTileEmpty;
   }
+  // The union's next BlockMask tile (without a BlockMask: kernel tile), kNone when done; its
+  // kinds as next's.
+  __device__ __forceinline__ int next_block(const FlexcBlockMask& bm, unsigned& kinds) {
+    const int t = min(min(partial_at(bm, row[0]), full_at(bm, row[0])),
+                      min(partial_at(bm, row[1]), full_at(bm, row[1])));
+    if (t != kNone) kinds = take(bm, row[0], t) | take(bm, row[1], t) << 2;
+    return t;
+  }
   // The next kernel tile's first kv index, with its kind in row 0 in bits 0-1 of `kinds` and in
   // row 1 in bits 2-3 (row 1's are meaningless with one row); -1 when done.
   __device__ __forceinline__ int next(const FlexcBlockMask& bm, int kv_len, unsigned& kinds) {
@@ -246,12 +254,50 @@ struct KvUnion {
         if (kv0 < kv_len) return kv0;
         sub = per_block;  // the rest of this BlockMask tile lies past kv_len too
       }
-      tile = min(min(partial_at(bm, row[0]), full_at(bm, row[0])),
-                 min(partial_at(bm, row[1]), full_at(bm, row[1])));
+      tile = next_block(bm, kinds);
       if (tile == kNone) return -1;
-      kinds = take(bm, row[0], tile) | take(bm, row[1], tile) << 2;
       sub = 0;
     }
+  }
+};
+
+// Kernel tiles of W keys over one BlockMask row whose kv tiles (T > W keys) they do not divide
+// (the Hopper forward kernel's wide tiles): every kernel tile that overlaps a listed BlockMask
+// tile, ascending, with the kinds of the BlockMask tiles its first and its last key lie in
+// (bits 0-1 and 2-3; empty where that tile is not listed), which differ where it straddles two.
+// Without a BlockMask every kernel tile, both kinds the dense one.
+template <int W>
+struct KvStraddle {
+  KvUnion<W> blocks;  // the row's listed tiles one by one
+  int tile_len;       // T (W without a BlockMask)
+  int cur, nxt;       // the listed tile whose kernel tiles are being walked, and the next one
+  unsigned cur_kind = 0, nxt_kind = 0;
+  int next_i = 0;  // the first kernel tile not walked yet
+
+  // For the BlockMask row holding q rows `q_a` (and `q_b`: the same row).
+  __device__ KvStraddle(const FlexcBlockMask& bm, int b, int h, int q_a, int, int kv_len)
+      : blocks(bm, b, h, q_a, q_a, kv_len), tile_len(bm.kv_num == nullptr ? W : bm.kv_tile) {
+    cur = blocks.next_block(bm, cur_kind);
+    nxt = blocks.next_block(bm, nxt_kind);
+  }
+  // The next kernel tile's first kv index (-1 when done) and its two kinds.
+  __device__ __forceinline__ int next(const FlexcBlockMask& bm, int kv_len, unsigned& kinds) {
+    while (cur != KvUnion<W>::kNone) {
+      const int i = max(next_i, cur * tile_len / W);
+      if (i <= (cur * tile_len + tile_len - 1) / W && i * W < kv_len) {
+        next_i = i + 1;
+        // A first key before cur's tile lies in an unlisted one (a listed one would have
+        // walked this kernel tile already).
+        const int first = i * W / tile_len, last = (i * W + W - 1) / tile_len;
+        const unsigned lo = first == cur ? cur_kind & 3u : kTileEmpty;
+        const unsigned hi = last == cur ? cur_kind & 3u : last == nxt ? nxt_kind & 3u : kTileEmpty;
+        kinds = lo | hi << 2;
+        return i * W;
+      }
+      cur = nxt, cur_kind = nxt_kind;
+      nxt = blocks.next_block(bm, nxt_kind);
+    }
+    return -1;
   }
 };
 
@@ -350,7 +396,8 @@ struct Unstaged {
 // The hooks on a warp's MT x NT fragment tile of scores (layout above), rows along R. STAGED: a
 // StagedColumns whose loads someone else puts in shared memory (Columns::staged says where).
 // TIGHT: registers are short (D 64's three consumers of 160), see apply_mods_at.
-template <int MT, int NT, Rows R = Rows::Q, class STAGED = Unstaged, bool TIGHT = false>
+template <int MT, int NT, Rows R = Rows::Q, class STAGED = Unstaged, bool TIGHT = false,
+          bool SPLIT = false>
 struct ScoreTile {
   // The hook indices of this thread's scores, clamped into [0, len) as the hooks' contract
   // requires (flexc_hooks.cuh), and whether each row / column is inside its length. Computed
@@ -464,6 +511,11 @@ struct ScoreTile {
     unsigned tile[MT][2][NT][kScoreTiles > 0 ? kScoreTiles : 1];
     const unsigned* rel;
     typename STAGED::View staged;
+    // SPLIT (rows along Q): a partial tile's keys below kv index `split` take BlockMask kind
+    // `kind_lo`, the others `kind_hi` (a wide kv tile over two BlockMask tiles, KvStraddle):
+    // empty masks them, full keeps them without mask_mod.
+    int split;
+    unsigned kind_lo, kind_hi;
   };
   // Where this thread's rows of the tile loads start (element kv_idx = 0 plus its first key of
   // an n8 tile, 2t), and whether the fast path applies to them: the capture's kv dim has stride 1
@@ -652,11 +704,14 @@ struct ScoreTile {
       fresh.set_cols(c0, R == Rows::Q ? p.kv_len : p.q_len,
                      !kPositions ? 0 : R == Rows::Q ? p.kv_pos0 : p.q_pos0);
     }
-    if constexpr (!FlexcVariant::kMaskAlwaysTrue) {
+    // (SPLIT: a tile over an empty and a full BlockMask tile is partial whatever mask_mod.)
+    if constexpr (!FlexcVariant::kMaskAlwaysTrue || SPLIT) {
       if (partial) {
         for_each(fresh, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool in) {
-          bool keep;
-          if constexpr (kMaskCols > 0 && kStagedCols) {
+          bool keep = true;
+          if constexpr (FlexcVariant::kMaskAlwaysTrue) {
+            // (a SPLIT tile's kinds alone)
+          } else if constexpr (kMaskCols > 0 && kStagedCols) {
             unsigned cv[kMaskCols > 0 ? kMaskCols : 1];
 #pragma unroll
             for (int k = 0; k < kMaskCols; ++k)
@@ -665,6 +720,10 @@ struct ScoreTile {
                                                hook_kv_len(p), cv);
           } else {
             keep = FlexcVariant::mask_mod(args, b, h, q_idx, kv_idx, hook_q_len(p), hook_kv_len(p));
+          }
+          if constexpr (SPLIT) {
+            const unsigned k = kv_idx < cols->split ? cols->kind_lo : cols->kind_hi;
+            keep = k == kTileFull || (k == kTilePartial && keep);
           }
           s[i][j][e] = in & keep ? s[i][j][e] : neg_inf();
         });

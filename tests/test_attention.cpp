@@ -990,10 +990,10 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
       CHECK(log.find("C751") == std::string::npos);
       CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") == 0);
     }
-  // Wide kv tiles (calls without a BlockMask, hooks that stage nothing per tile): a score_mod
-  // beside Q's fragments at D 192 / 256 (D 128 takes them beside the identity only), and a mask
-  // evaluated on every tile.
-  for (const char* name : {"noop", "softcap", "causal"})
+  // Wide kv tiles (hooks that stage nothing per tile): a score_mod beside Q's fragments at D 192
+  // / 256 (D 128 takes them beside the identity only), masks on every tile (no BlockMask) or
+  // over two BlockMask tiles' kinds.
+  for (const char* name : {"noop", "softcap", "causal", "sliding_window"})
     for (int d : {128, 192, 256}) {
       if (d == 128 && std::string_view(name) == "softcap") continue;
       jit::KernelConfig kc{"sm_90", "bf16", d, d};
@@ -1434,6 +1434,19 @@ void check_at_offsets(const Variant& v, GpuCase c) {
   }
 }
 
+// A user's lists, full tiles only, of the 128 x 128 tiles with (q tile + kv tile) % 3 != 1:
+// those of the mask `(q_idx // 128 + kv_idx // 128) % 3 != 1`, for noop (whose mask_mod keeps
+// everything: the lists alone decide).
+BlockMask stripes_lists(int64_t lq, int64_t lkv) {
+  const int64_t nq = (lq + 127) / 128, nk = (lkv + 127) / 128;
+  std::vector<int32_t> num(nq, 0), idx(nq * nk, 0);
+  for (int64_t qt = 0; qt < nq; ++qt)
+    for (int64_t kt = 0; kt < nk; ++kt)
+      if ((qt + kt) % 3 != 1) idx[qt * nk + num[qt]++] = int32_t(kt);
+  return BlockMask::from_kv_blocks(1, 1, lq, lkv, 128, 128, std::vector<int32_t>(nq, 0),
+                                   std::vector<int32_t>(nq * nk, 0), num, idx);
+}
+
 }  // namespace
 
 TEST_CASE("per-score tile loads of a Q_LEN x KV_LEN bias, issued ahead, match the reference",
@@ -1532,38 +1545,67 @@ TEST_CASE("the persistent Hopper kernel matches the reference over many work ite
     }
 }
 
-TEST_CASE("wide kv tiles, without a BlockMask, match the reference", "[gpu]") {
+TEST_CASE("wide kv tiles match the reference, with and without a BlockMask", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // Calls without a BlockMask take kv tiles of 176 / 112 / 80 keys at D 128 / 192 / 256 (D 128
-  // beside the identity score_mod only: softcap there checks the fallback): lengths a key short
-  // of a tile, a key past one and past three, Q_LEN != KV_LEN, GQA, both dtypes; a score_mod
-  // (softcap: fewer of Q's chunks in registers), a mask evaluated on every tile, and rows that
-  // see no key (output 0, LSE -inf) beside rows that do; at offsets too.
+  // beside the identity score_mod only: softcap there checks the fallback); over a BlockMask of
+  // 128-key tiles D 192 / 256 take them too, a kernel tile straddling two BlockMask tiles whose
+  // kinds its keys take one by one (KvStraddle): stripes of empty and full tiles, and of
+  // partial ones (64-key stripes), a causal mask, a window, rows that see no key (output 0, LSE
+  // -inf); a user's lists marking tiles full where mask_mod says nothing (noop: the reference is
+  // the stripes). Lengths a key short of a tile, a key past one and past three, Q_LEN !=
+  // KV_LEN, GQA, both dtypes, a score_mod (softcap: fewer of Q's chunks in registers); at
+  // offsets too.
   const Variant none_below = Variant::from_strings("score", "kv_idx < q_idx - 150", {}, {}, "late");
+  const Variant stripes = Variant::from_strings("score", "(q_idx // 128 + kv_idx // 128) % 3 != 1",
+                                                {}, {}, "tile_stripes");
+  const Variant halves =
+      Variant::from_strings("score + 0.25 * float(kv_idx % 5)",
+                            "(q_idx // 64 + kv_idx // 64) % 3 != 1", {}, {}, "half_stripes");
+  const Variant noop = Variant::from_catalogue("noop"),
+                window = Variant::from_catalogue("sliding_window");
   int i = 0;
   for (auto [d, n] : {std::pair{128, 176}, {192, 112}, {256, 80}})
-    for (const Variant& v : {Variant::from_catalogue("noop"), Variant::from_catalogue("softcap"),
-                             Variant::from_catalogue("causal"), none_below})
-      for (int64_t lkv : {n - 1, n + 1, 3 * n + 1}) {
-        ++i;
-        GpuCase c{i % 2 ? DType::BF16 : DType::F16,
-                  1 + i % 2,
-                  4,
-                  2,
-                  200 + 3 * n,
-                  lkv,
-                  d,
-                  i % 3 == 0,
-                  0,
-                  false,
-                  {},
-                  FwdKernel::Hopper};
-        INFO(v.name() << ": " << c.describe());
-        const Accuracy a = run_case(v, c);
-        INFO(a.summary());
-        CHECK(a.pass);
-        if (lkv == 3 * n + 1) check_at_offsets(v, c);
+    for (const Variant& v :
+         {noop, Variant::from_catalogue("softcap"), Variant::from_catalogue("causal"), none_below,
+          stripes, halves, window})
+      for (bool block_mask : {false, true}) {
+        if (block_mask && (d == 128 || v.mask_always_true())) continue;
+        for (int64_t lkv : {n - 1, n + 1, 3 * n + 1}) {
+          ++i;
+          GpuCase c{i % 2 ? DType::BF16 : DType::F16,
+                    1 + i % 2,
+                    4,
+                    2,
+                    200 + 3 * n,
+                    lkv,
+                    d,
+                    i % 3 == 0,
+                    0,
+                    block_mask,
+                    {},
+                    FwdKernel::Hopper};
+          if (v.name() == window.name()) c.params["window"] = 100;
+          INFO(v.name() << ": " << c.describe());
+          const Accuracy a = run_case(v, c);
+          INFO(a.summary());
+          CHECK(a.pass);
+          if (lkv == 3 * n + 1 && (block_mask || v.mask_always_true())) check_at_offsets(v, c);
+        }
       }
+  // noop over a user's lists of stripes' tiles (full ones only): straddled tiles are full and
+  // empty, whatever mask_mod says.
+  const int64_t lq = 1000, lkv = 900;
+  const BlockMask user = stripes_lists(lq, lkv);
+  for (int64_t d : {192, 256}) {
+    GpuCase c{DType::BF16, 2, 4, 2, lq, lkv, d, false, 0, true, {}, FwdKernel::Hopper};
+    c.given_mask = &user;
+    c.reference = &stripes;
+    INFO("noop with stripes' lists: " << c.describe());
+    const Accuracy a = run_case(noop, c);
+    INFO(a.summary());
+    CHECK(a.pass);
+  }
 }
 
 TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
@@ -1624,14 +1666,8 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
         CHECK(a.pass);
       }
   // noop with a user's lists (full tiles only) of stripes' tiles: the reference is stripes.
-  const int64_t lq = 1000, lkv = 900, nq = (lq + 127) / 128, nk = (lkv + 127) / 128;
-  std::vector<int32_t> num(nq, 0), idx(nq * nk, 0);
-  for (int64_t qt = 0; qt < nq; ++qt)
-    for (int64_t kt = 0; kt < nk; ++kt)
-      if ((qt + kt) % 3 != 1) idx[qt * nk + num[qt]++] = int32_t(kt);
-  const BlockMask user =
-      BlockMask::from_kv_blocks(1, 1, lq, lkv, 128, 128, std::vector<int32_t>(nq, 0),
-                                std::vector<int32_t>(nq * nk, 0), num, idx);
+  const int64_t lq = 1000, lkv = 900;
+  const BlockMask user = stripes_lists(lq, lkv);
   const Variant noop = Variant::from_catalogue("noop");
   for (FwdKernel kernel : kernels_for(64)) {
     GpuCase c{DType::BF16, 2, 4, 2, lq, lkv, 64, false, 0, true, {}, kernel};
