@@ -339,10 +339,6 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 constexpr std::string_view kWhat = "flexc::attention";
 [[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
-
-}  // namespace
-
-namespace {
 constexpr std::pair<FwdKernel, std::string_view> kFwdKernelNames[] = {
     {FwdKernel::Auto, "auto"}, {FwdKernel::Portable, "portable"}, {FwdKernel::Hopper, "hopper"}};
 }  // namespace

@@ -684,10 +684,10 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   CHECK(detail::fwd_sm90_tile_tma_bytes(detail::fwd_config_sm90(256, 256), 256, 256) ==
         2 * (2 * 128 * 64 + 16));
   // (Addresses only: none of these is read.)
-  const auto view = [](std::vector<int64_t> shape, std::vector<int64_t> strides, DType t,
+  const auto view = [](std::vector<int64_t> shape, std::vector<int64_t> strides, DType dt,
                        int64_t offset = 0) {
-    return TensorView{reinterpret_cast<void*>(uintptr_t(1 << 20) + 2 * offset), t, std::move(shape),
-                      std::move(strides)};
+    return TensorView{reinterpret_cast<void*>(uintptr_t(1 << 20) + 2 * offset), dt,
+                      std::move(shape), std::move(strides)};
   };
   const DType bf = DType::BF16;
   CHECK_FALSE(detail::tile_map(view({100, 1000}, {1, 100}, bf), 0, 1, 128));   // kv dim strided
