@@ -119,11 +119,15 @@ int main(int argc, char** argv) {
   CLI::App app{"bench_jit: cold compile, disk hit and memory hit of flexc's JIT"};
   std::string variant = "alibi", kernels = "all", arch, dtype = "bf16";
   int head_dim = 128, reps = 5;
+  bool wide_kv = false;
   app.add_option("--variant", variant, "catalogue name or JSON file")->capture_default_str();
   app.add_option("--kernel", kernels, "comma-separated kernels, or all")->capture_default_str();
   app.add_option("--arch", arch, "target (default: the GPU's, else sm_90)");
   app.add_option("--dtype", dtype, "bf16 or fp16")->capture_default_str();
   app.add_option("--head-dim", head_dim, "head dimension")->capture_default_str();
+  app.add_flag("--wide-kv", wide_kv,
+               "the Hopper forward kernel's wide kv tiles (flexc::attention's build at D 128 / "
+               "192 / 256 where its hooks stage nothing per tile)");
   app.add_option("--reps", reps, "repetitions per figure")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
@@ -135,7 +139,8 @@ int main(int argc, char** argv) {
   unsetenv("FLEXC_DISABLE_DISK_CACHE");
   try {
     if (arch.empty() && !flexc::gpu_available()) arch = "sm_90";
-    const jit::KernelConfig cfg{arch, dtype, head_dim};
+    jit::KernelConfig cfg{arch, dtype, head_dim};
+    cfg.wide_kv = wide_kv;
     std::vector<const jit::KnownKernel*> list;
     if (kernels == "all")
       list = jit::kernels_for_arch(arch.empty() ? flexc::current_arch() : arch);
