@@ -1434,17 +1434,25 @@ void check_at_offsets(const Variant& v, GpuCase c) {
   }
 }
 
-// A user's lists, full tiles only, of the 128 x 128 tiles with (q tile + kv tile) % 3 != 1:
-// those of the mask `(q_idx // 128 + kv_idx // 128) % 3 != 1`, for noop (whose mask_mod keeps
-// everything: the lists alone decide).
-BlockMask stripes_lists(int64_t lq, int64_t lkv) {
-  const int64_t nq = (lq + 127) / 128, nk = (lkv + 127) / 128;
+// noop over a user's lists, full tiles only, of the 128 x 128 tiles with (q tile + kv tile) % 3
+// != 1 (those of `stripes`'s mask `(q_idx // 128 + kv_idx // 128) % 3 != 1`) at head dim d:
+// noop's mask_mod keeps everything, the lists alone decide; the reference is `stripes`.
+void check_stripes_lists(const Variant& stripes, int64_t d, FwdKernel kernel) {
+  const int64_t lq = 1000, lkv = 900, nq = (lq + 127) / 128, nk = (lkv + 127) / 128;
   std::vector<int32_t> num(nq, 0), idx(nq * nk, 0);
   for (int64_t qt = 0; qt < nq; ++qt)
     for (int64_t kt = 0; kt < nk; ++kt)
       if ((qt + kt) % 3 != 1) idx[qt * nk + num[qt]++] = int32_t(kt);
-  return BlockMask::from_kv_blocks(1, 1, lq, lkv, 128, 128, std::vector<int32_t>(nq, 0),
-                                   std::vector<int32_t>(nq * nk, 0), num, idx);
+  const BlockMask user =
+      BlockMask::from_kv_blocks(1, 1, lq, lkv, 128, 128, std::vector<int32_t>(nq, 0),
+                                std::vector<int32_t>(nq * nk, 0), num, idx);
+  GpuCase c{DType::BF16, 2, 4, 2, lq, lkv, d, false, 0, true, {}, kernel};
+  c.given_mask = &user;
+  c.reference = &stripes;
+  INFO("noop with stripes' lists: " << c.describe());
+  const Accuracy a = run_case(Variant::from_catalogue("noop"), c);
+  INFO(a.summary());
+  CHECK(a.pass);
 }
 
 }  // namespace
@@ -1595,17 +1603,7 @@ TEST_CASE("wide kv tiles match the reference, with and without a BlockMask", "[g
       }
   // noop over a user's lists of stripes' tiles (full ones only): straddled tiles are full and
   // empty, whatever mask_mod says.
-  const int64_t lq = 1000, lkv = 900;
-  const BlockMask user = stripes_lists(lq, lkv);
-  for (int64_t d : {192, 256}) {
-    GpuCase c{DType::BF16, 2, 4, 2, lq, lkv, d, false, 0, true, {}, FwdKernel::Hopper};
-    c.given_mask = &user;
-    c.reference = &stripes;
-    INFO("noop with stripes' lists: " << c.describe());
-    const Accuracy a = run_case(noop, c);
-    INFO(a.summary());
-    CHECK(a.pass);
-  }
+  for (int64_t d : {192, 256}) check_stripes_lists(stripes, d, FwdKernel::Hopper);
 }
 
 TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
@@ -1666,18 +1664,7 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
         CHECK(a.pass);
       }
   // noop with a user's lists (full tiles only) of stripes' tiles: the reference is stripes.
-  const int64_t lq = 1000, lkv = 900;
-  const BlockMask user = stripes_lists(lq, lkv);
-  const Variant noop = Variant::from_catalogue("noop");
-  for (FwdKernel kernel : kernels_for(64)) {
-    GpuCase c{DType::BF16, 2, 4, 2, lq, lkv, 64, false, 0, true, {}, kernel};
-    c.given_mask = &user;
-    c.reference = &stripes;
-    INFO("noop with stripes' lists: " << c.describe());
-    const Accuracy a = run_case(noop, c);
-    INFO(a.summary());
-    CHECK(a.pass);
-  }
+  for (FwdKernel kernel : kernels_for(64)) check_stripes_lists(stripes, 64, kernel);
 }
 
 TEST_CASE("v's head dim apart from q's and k's (MLA's 192 / 128) matches the reference", "[gpu]") {
