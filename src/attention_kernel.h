@@ -34,12 +34,12 @@ struct TileConfig {
 TileConfig fwd_config(int head_dim, int v_head_dim);
 // The Hopper kernel's, with q tiles of `block_m` rows (0: the head dims' default, 192 at D 64
 // and 128 otherwise; 128 always fits). Throws flexc::Error for a head dim it does not support.
-// With `wide`, the kv tiles are fwd_sm90_wide_n's (O staged over Q), for calls without a
-// BlockMask; throws flexc::Error where there are none.
+// With `wide`, the kv tiles are fwd_sm90_wide_n's (O staged over Q); throws flexc::Error where
+// there are none.
 TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m = 0, bool wide = false);
-// The Hopper forward kernel's kv tile width without a BlockMask (whose 128-wide tiles it would
-// not divide), FlashAttention-3's: 176 at D 128, 112 at D 192, 80 at D 256; 0 for other head
-// dims (their tiles stay the BlockMask's).
+// The Hopper forward kernel's wide kv tile width, FlashAttention-3's: 176 at D 128, 112 at D 192,
+// 80 at D 256; 0 for other head dims. It does not divide a BlockMask's 128-key tiles: a call
+// takes it without a BlockMask or over one of wider tiles (KvStraddle, attention_tile.cuh).
 int fwd_sm90_wide_n(int head_dim, int v_head_dim);
 // The q tile rows a Hopper forward call asks fwd_config_sm90 for (0: the head dims' default):
 // 128 where D 64's default 192-row tiles lose, short sequences under a BlockMask of a mask_mod

@@ -24,8 +24,8 @@
 // FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
 // FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows; 192 at D 64: three), FLEXC_BLOCK_N
 // (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
-// and shared memory must hold Q and two stages of K and V; without a BlockMask 176, 112 or 80 at
-// D 128, 192 or 256: the wide tiles, kWide), FLEXC_STAGES (2), FLEXC_PERSISTENT
+// and shared memory must hold Q and two stages of K and V; 176, 112 or 80 at D 128, 192 or 256:
+// the wide tiles, kWide), FLEXC_STAGES (2), FLEXC_PERSISTENT
 // (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
 // score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
 // consumers read it with ldmatrix; 0: they load their words from global memory themselves),
@@ -49,9 +49,9 @@ constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kStages = FLEXC_STAGES;
 constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
-// Wide kv tiles (80, 112, 176: FlashAttention-3's) run only without a BlockMask, whose tiles
-// they would not divide, and without hooks that stage per-tile loads (src/attention.cpp,
-// detail::fwd_sm90_wide_n).
+// Wide kv tiles (80, 112, 176: FlashAttention-3's) do not divide a BlockMask's 128-key tiles:
+// over a BlockMask one may straddle two (KvStraddle, ScoreTile's SPLIT). Never beside hooks that
+// stage per-tile loads (src/attention.cpp, detail::fwd_sm90_wide_n).
 constexpr bool kWide = kBlockN != 64 && kBlockN != 128;
 // Q's 16-column chunks a consumer holds in registers. Beside wide kv tiles a score_mod other than
 // the identity takes at most 4: its own math needs the registers (softcap at D 192 / 256 +5-10%

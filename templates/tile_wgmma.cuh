@@ -236,7 +236,7 @@ __device__ __forceinline__ void regs_inc() {
   ", 1, 1, " TRANS ";\n"
 
 // The kv tile widths the Hopper forward kernel's S = Q.K^T takes (N = 8 NT): 32, 64, 128, and
-// 80, 112 and 176 for its wide tiles (no BlockMask: templates/attention_fwd_sm90.cuh).
+// 80, 112 and 176 for its wide tiles (kWide in templates/attention_fwd_sm90.cuh).
 template <int NT>
 constexpr bool kWgmmaN = NT == 4 || NT == 8 || NT == 10 || NT == 14 || NT == 16 || NT == 22;
 #define FLEXC_SS_ASM(T, SHAPE, REGS, A, B, SD, TR, ...)  \

@@ -703,8 +703,8 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
     CHECK(c.smem_bytes <= 227 * 1024);
     CHECK(c.block_n == (d > 128 ? 64 : 128));
   }
-  // Without a BlockMask, FlashAttention-3's wide kv tiles at D 128, 192 and 256 (O over Q), with
-  // as many of Q's chunks in registers as fit beside O, S and P.
+  // FlashAttention-3's wide kv tiles at D 128, 192 and 256 (O over Q), with as many of Q's chunks
+  // in registers as fit beside O, S and P.
   for (auto [d, n, chunks] : {std::tuple{128, 176, 4}, {192, 112, 8}, {256, 80, 6}}) {
     const detail::TileConfig c = detail::fwd_config_sm90(d, d, 0, true);
     INFO("D " << d << " wide");

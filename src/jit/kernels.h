@@ -25,8 +25,8 @@ struct KernelConfig {
   // The Hopper forward kernel: Q.K^T reads Q from shared memory even where the head dims' default
   // keeps it in registers (detail::fwd_sm90_q_chunks): for hooks that would spill beside it.
   bool smem_q = false;
-  // The Hopper forward kernel: the head dims' wide kv tiles (detail::fwd_sm90_wide_n), for calls
-  // without a BlockMask and hooks that stage nothing per tile.
+  // The Hopper forward kernel: the head dims' wide kv tiles (detail::fwd_sm90_wide_n), for hooks
+  // that stage nothing per tile; over a BlockMask a tile may straddle two of its tiles.
   bool wide_kv = false;
   // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
   // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
