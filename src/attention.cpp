@@ -99,7 +99,8 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m, bool wide)
   TileConfig c{block_m, 128, 128 * (1 + block_m / 64), 2, 0};
   c.mask_rows = 128;
   const auto panels = [](int d) { return size_t(d + 63) / 64 * 64; };  // whole swizzle panels
-  const bool separate_o = head_dim <= 128 && v_head_dim <= 128;
+  // Wide kv tiles (FlashAttention-3's widths) keep O over Q, and no hook adds shared memory.
+  const bool separate_o = head_dim <= 128 && v_head_dim <= 128 && !wide;
   const size_t q_and_o = separate_o ? panels(head_dim) + panels(v_head_dim)
                                     : std::max(panels(head_dim), panels(v_head_dim));
   const auto smem = [&](int block_n) {
@@ -107,13 +108,6 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m, bool wide)
                         size_t(c.stages) * block_n * (panels(head_dim) + panels(v_head_dim))) +
            8 * (2 + 7 * c.stages) + 4 * (12 + 2 * c.stages) + 1024;
   };
-  // 128-wide kv tiles where O leaves the registers for them (Dv <= 128) and K and V fit twice
-  // with the most any variant's hooks add (MLA's D 192 / Dv 128 does: 209 KiB and 7 KiB); 64
-  // otherwise (D 256 / Dv 64's 225 KiB with a relative term's tables did not fit).
-  if (v_head_dim > 128 || smem(128) + fwd_hook_bytes(dsl::kMostLaunchFacts, c, true) > 227 * 1024)
-    c.block_n = 64;
-  c.smem_bytes = smem(c.block_n);
-  // Wide kv tiles (FlashAttention-3's widths): O over Q, and no hook adds shared memory.
   if (wide) {
     if (block_m != 128 || fwd_sm90_wide_n(head_dim, v_head_dim) == 0)
       throw Error(
@@ -121,11 +115,14 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m, bool wide)
                       "{}-row q tiles",
                       head_dim, v_head_dim, block_m));
     c.block_n = fwd_sm90_wide_n(head_dim, v_head_dim);
-    c.smem_bytes =
-        size_t(2) * (std::max(panels(head_dim), panels(v_head_dim)) * c.block_m +
-                     size_t(c.stages) * c.block_n * (panels(head_dim) + panels(v_head_dim))) +
-        8 * (2 + 7 * c.stages) + 4 * (12 + 2 * c.stages) + 1024;
+  } else if (v_head_dim > 128 ||
+             smem(128) + fwd_hook_bytes(dsl::kMostLaunchFacts, c, true) > 227 * 1024) {
+    // 128-wide kv tiles where O leaves the registers for them (Dv <= 128) and K and V fit twice
+    // with the most any variant's hooks add (MLA's D 192 / Dv 128 does: 209 KiB and 7 KiB); 64
+    // otherwise (D 256 / Dv 64's 225 KiB with a relative term's tables did not fit).
+    c.block_n = 64;
   }
+  c.smem_bytes = smem(c.block_n);
   return c;
 }
 

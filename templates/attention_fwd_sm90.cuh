@@ -59,6 +59,10 @@ constexpr bool kWide = kBlockN != 64 && kBlockN != 128;
 constexpr int kQChunks =
     kWide && !flexc_attn::kIdentityScore && FLEXC_Q_REGS > 4 ? 4 : FLEXC_Q_REGS;
 constexpr bool kQRegs = kQChunks > 0;
+// The item's first tile (no P.V to overlap) is peeled from the mainloop, except beside wide kv
+// tiles and a score_mod other than the identity: there the hooks inlined twice cost more compile
+// time than the peel saves (docs/perf.md, "One mainloop for the first tile").
+constexpr bool kPeelFirst = !(kWide && !flexc_attn::kIdentityScore);
 constexpr int kQFragments = kQRegs ? kQChunks : 1;  // (an array's size)
 static_assert(kQChunks >= 0 && kQChunks <= kD / 16, "at most all of Q's chunks");
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
@@ -556,6 +560,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     float o[1][kDT][4];  // one row tile per warp: the shape OnlineSoftmax and store_rows take
     float s[1][kNT][4];
     unsigned pa[kNT / 2][4];
+    if constexpr (!kPeelFirst)
+#pragma unroll
+      for (int kk = 0; kk < kNT / 2; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
     auto qk = [&](int st) {
       if constexpr (kQRegs)
         issue_qk(s[0], qa, sm.q, q_rows, sm.k_tile(st));
@@ -633,10 +640,11 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       return softmax.step(s, to_log2, alpha);
     };
 
-    // The item's first tile has no P.V to overlap: peeled, so that in the loop every issue has
-    // its wait on every path (ptxas serializes wgmmas when it cannot prove that).
+    // The item's first tile has no P.V to overlap: peeled (kPeelFirst), so that in the loop every
+    // issue has its wait on every path (ptxas serializes wgmmas when it cannot prove that); or in
+    // the loop, with a P.V of zeros.
     const int j0 = j;
-    if (word != kEnd) {
+    if (kPeelFirst && word != kEnd) {
       const int st = j % kStages;
       read_word();
       load_columns();
@@ -656,18 +664,21 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       ++j;
     }
     for (; word != kEnd; ++j) {
-      const int st = j % kStages, prev = (j - 1) % kStages;
+      // Without the peel, the first tile's P.V multiplies zeros (pa) by its own V tile: the same
+      // wgmmas on every path (a branch around them makes ptxas serialize them, C7519).
+      const bool first = !kPeelFirst && j == j0;
+      const int st = j % kStages, pv = first ? st : (j + kStages - 1) % kStages;
       read_word();
       load_columns();
       mbar_wait(sm.k_full(st), (j / kStages) & 1);
       word = next_word();
-      mbar_wait(sm.v_full(prev), ((j - 1) / kStages) & 1);
+      mbar_wait(sm.v_full(pv), ((first ? j : j - 1) / kStages) & 1);
       take_turn();
       fence_regs(pa);
       fence_regs(o[0]);
       wgmma_fence();
       qk(st);
-      issue_pv(o[0], pa, sm.v_tile(prev));
+      issue_pv(o[0], pa, sm.v_tile(pv));
       pass_turn(word == kEnd);
       fill_rel_table(j);
       wgmma_wait<1>();  // S_j; P_{j-1}.V_{j-1} may still run
@@ -677,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       const bool rescale = softmax_tile(j, st, alpha);
       wgmma_wait<0>();  // P_{j-1}.V_{j-1}
       fence_regs(o[0]);
-      mbar_arrive(sm.v_empty(prev));
+      if (!first) mbar_arrive(sm.v_empty(pv));
       if (rescale) softmax.rescale(o, alpha);
       // Packed only now: registers a running wgmma reads must not change (ptxas would serialize
       // every wgmma to protect them).
