@@ -65,8 +65,9 @@ struct Value {
 };
 
 // Float arithmetic in float64 (the oracle) or rounded to float32 after every op (what a kernel
-// computes up to the accuracy of its math functions).
-enum class Precision { F64, F32 };
+// computes up to the accuracy of its math functions). F32Approx: F32 with tanh's result rounded
+// to 11 significant bits, the error of the approx build's tanh.approx (dsl/emit_cuda.h).
+enum class Precision { F64, F32, F32Approx };
 
 // Evaluates every node reachable from the root; `scratch` avoids reallocations in hot loops.
 // (It walks all nodes with ids up to the root: on a simplified graph those are exactly the

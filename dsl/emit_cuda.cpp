@@ -92,7 +92,8 @@ class BodyWriter {
       : g_(g),
         decls_(decls),
         marker_(marker),
-        fast_(math == FloatMath::Fast),
+        fast_(math != FloatMath::Exact),
+        approx_(math == FloatMath::Approx),
         value_(g.size(), 0),
         offset_(g.size(), 0) {}
 
@@ -397,7 +398,8 @@ class BodyWriter {
             {}, {kLn2, {}}, aux(id, 'l', fmt::format("flexc_fast_log2({})", ref(n.args[0])), out)};
         break;
       case Op::Tanh:
-        return fmt::format("flexc_fast_tanh({})", render(x(0)));
+        return fmt::format("{}({})", approx_ ? "flexc_approx_tanh" : "flexc_fast_tanh",
+                           render(x(0)));
       case Op::Sigmoid: {
         // 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (the reciprocal flushes), never NaN.
         const std::string e =
@@ -615,7 +617,7 @@ class BodyWriter {
   const Graph& g_;
   const Decls& decls_;
   std::string_view marker_;
-  bool fast_;
+  bool fast_, approx_;
   bool plain_ = false;
   std::vector<char> value_, offset_, exact_, context_, uniform_;
   std::vector<std::string> subst_;
@@ -926,7 +928,7 @@ NodeId sum_of(Graph& g, const std::vector<std::pair<NodeId, bool>>& terms) {
 }
 
 std::optional<Rowless> rowless_score(const Graph& score, FloatMath math) {
-  if (math != FloatMath::Fast) return std::nullopt;
+  if (math == FloatMath::Exact) return std::nullopt;
   std::vector<std::pair<NodeId, bool>> terms, rest;
   Rowless out{score, {}};
   sum_terms(score, score.root, false, terms);
@@ -1055,7 +1057,10 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kRowTerms = {};\n"
       "  static constexpr bool kRowlessIdentity = {};\n"
       "  static constexpr float kRowlessUnits = {};\n\n",
-      sanitise(in.variant_name), in.score_math == FloatMath::Fast ? "fast" : "exact",
+      sanitise(in.variant_name),
+      in.score_math == FloatMath::Exact  ? "exact"
+      : in.score_math == FloatMath::Fast ? "fast"
+                                         : "approx",
       is_identity_score(score, score.root), is_all_true_mask(mask, mask.root),
       mdeps.reads(Input::B), mdeps.reads(Input::H), grad_is_one, !loads.empty(), loads.size(),
       grads_read_score, score_cols.size(), mask_cols.size(), tiles.size(),

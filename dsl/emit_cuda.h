@@ -12,9 +12,10 @@ namespace flexc::dsl {
 // rounded as IEEE float32 (the interpreter's F32 mode, bit for bit). Fast: the GPU's approximate
 // instructions (ex2 / lg2 / sin / cos / rsqrt / sqrt / rcp .approx, fast division; a few ulp
 // each) and + - * left for the compiler to contract into FMAs, except where a float decides a
-// discrete outcome. mask_mod is always exact: the BlockMask's analysis decides tiles from its
-// exact semantics.
-enum class FloatMath { Exact, Fast };
+// discrete outcome. Approx: Fast with tanh on tanh.approx (2^-11 relative: FlashAttention-3's
+// softcap), beyond the tolerance rule Fast keeps. mask_mod is always exact: the BlockMask's
+// analysis decides tiles from its exact semantics.
+enum class FloatMath { Exact, Fast, Approx };
 
 // Everything the kernels' hooks need from one variant.
 struct EmitInput {

@@ -197,8 +197,17 @@ Value apply(const Node& n, const Arg& a) {
   throw std::invalid_argument(fmt::format("evaluate_op: '{}' is a leaf", op_name(n.op)));
 }
 
+// x rounded to `bits` significant bits (to nearest; ties away from zero).
+double round_bits(double x, int bits) {
+  if (x == 0 || !std::isfinite(x)) return x;
+  int e = 0;
+  const double m = std::frexp(x, &e);  // |m| in [0.5, 1)
+  return std::ldexp(std::round(std::ldexp(m, bits)), e - bits);
+}
+
 template <bool F32>
-Value run(const Graph& g, NodeId root, const EvalEnv& env, std::vector<Value>& vals) {
+Value run(const Graph& g, NodeId root, const EvalEnv& env, std::vector<Value>& vals,
+          bool approx = false) {
   if (root >= g.size())
     bad_env(fmt::format("root {} is not in a graph of {} nodes", root, g.size()));
   vals.resize(root + 1);
@@ -224,7 +233,9 @@ Value run(const Graph& g, NodeId root, const EvalEnv& env, std::vector<Value>& v
         break;
       }
       case Op::Load: out = load<F32>(n, vals.data(), env); break;
-      default: out = apply<F32>(n, [&](int k) -> const Value& { return vals[n.args[k]]; });
+      default:
+        out = apply<F32>(n, [&](int k) -> const Value& { return vals[n.args[k]]; });
+        if (approx && n.op == Op::Tanh) out.f = round_bits(out.f, 11);
     }
   }
   return vals[root];
@@ -246,7 +257,8 @@ int64_t load_offset(const Node& load, const Value* vals, std::span<const int64_t
 
 Value evaluate(const Graph& g, NodeId root, const EvalEnv& env, Precision p,
                std::vector<Value>& scratch) {
-  return p == Precision::F32 ? run<true>(g, root, env, scratch) : run<false>(g, root, env, scratch);
+  return p == Precision::F64 ? run<false>(g, root, env, scratch)
+                             : run<true>(g, root, env, scratch, p == Precision::F32Approx);
 }
 
 Value evaluate(const Graph& g, const EvalEnv& env, Precision p, std::vector<Value>& scratch) {
@@ -263,7 +275,10 @@ Value evaluate_op(const Node& n, std::span<const Value> args, Precision p) {
     throw std::invalid_argument(fmt::format("evaluate_op: '{}' takes {} operands, got {}",
                                             op_name(n.op), n.nargs, args.size()));
   const auto arg = [&](int k) -> const Value& { return args[k]; };
-  return p == Precision::F32 ? apply<true>(n, arg) : apply<false>(n, arg);
+  if (p == Precision::F64) return apply<false>(n, arg);
+  Value v = apply<true>(n, arg);
+  if (p == Precision::F32Approx && n.op == Op::Tanh) v.f = round_bits(v.f, 11);
+  return v;
 }
 
 }  // namespace flexc::dsl

@@ -134,7 +134,7 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
           env.score = x;
           x = dsl::evaluate(score, env, dsl::Precision::F64, scratch).f;
           env.score = x32;
-          x32 = dsl::evaluate(score, env, dsl::Precision::F32, scratch).f;
+          x32 = dsl::evaluate(score, env, detail::reference_math(impl), scratch).f;
         }
         // The mask decides in float32, as the kernels do: a bit that flips between precisions
         // is not a rounding error to tolerate.

@@ -155,7 +155,7 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
         e.dload[l] = scratch[der.loads[l].derivative].f;
       }
       env.score = x32;
-      dsl::evaluate(der.graph, der.last, env, dsl::Precision::F32, scratch);
+      dsl::evaluate(der.graph, der.last, env, detail::reference_math(impl), scratch);
       s32 = scratch[der.graph.root].f, grad32 = scratch[der.dscore].f;
       for (size_t l = 0; l < nloads; ++l) e.dload32[l] = scratch[der.loads[l].derivative].f;
     }

@@ -661,12 +661,15 @@ Variant Variant::with_precision(Precision p) const {
   return Variant(std::move(copy));
 }
 
-std::string_view to_string(Precision p) { return p == Precision::Fast ? "fast" : "exact"; }
+std::string_view to_string(Precision p) {
+  return p == Precision::Fast ? "fast" : p == Precision::Exact ? "exact" : "approx";
+}
 
 Precision parse_precision(std::string_view text, std::string_view what) {
   if (text == "fast") return Precision::Fast;
   if (text == "exact") return Precision::Exact;
-  throw Error(fmt::format("{}: {} is not a precision; use \"fast\" or \"exact\"", what,
+  if (text == "approx") return Precision::Approx;
+  throw Error(fmt::format("{}: {} is not a precision; use \"fast\", \"exact\" or \"approx\"", what,
                           detail::in_quotes(text)));
 }
 

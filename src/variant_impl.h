@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "dsl/analysis.h"
 #include "dsl/emit_cuda.h"
 #include "dsl/ir.h"
 #include "flexc/variant.h"
@@ -38,16 +39,25 @@ struct VariantImpl {
   dsl::LaunchFacts facts;
 };
 
-// The precision of a variant combined from a and b: Exact if either is.
+// The precision of a variant combined from a and b: the more accurate (Exact, then Fast).
 inline Precision combined_precision(const VariantImpl& a, const VariantImpl& b) {
-  return a.precision == Precision::Exact || b.precision == Precision::Exact ? Precision::Exact
-                                                                            : Precision::Fast;
+  for (Precision p : {Precision::Exact, Precision::Fast})
+    if (a.precision == p || b.precision == p) return p;
+  return Precision::Approx;
+}
+
+// How the references' float32 side evaluates score_mod: with Approx's tanh rounded as
+// tanh.approx errs (dsl::Precision::F32Approx).
+inline dsl::Precision reference_math(const VariantImpl& v) {
+  return v.precision == Precision::Approx ? dsl::Precision::F32Approx : dsl::Precision::F32;
 }
 
 // What the CUDA emitter takes from a variant (the kernels' flexc_variant.cuh).
 inline dsl::EmitInput emit_input(const VariantImpl& v) {
   return {&v.score.graph, &v.mask.graph, &v.decls, v.name,
-          v.precision == Precision::Fast ? dsl::FloatMath::Fast : dsl::FloatMath::Exact};
+          v.precision == Precision::Fast    ? dsl::FloatMath::Fast
+          : v.precision == Precision::Exact ? dsl::FloatMath::Exact
+                                            : dsl::FloatMath::Approx};
 }
 
 // ---- A variant as a config describes it, before checking. The JSON loader (variant_json.cpp)

@@ -256,10 +256,10 @@ class Reader {
 
   Precision precision(const json& j, const std::string& path) const {
     const std::string p = string(j, path);
-    if (p != "fast" && p != "exact")
-      fail(path, fmt::format("expected one of fast, exact, got {}{}", in_quotes(p),
-                             did_you_mean(p, {"fast", "exact"})));
-    return p == "fast" ? Precision::Fast : Precision::Exact;
+    if (p != "fast" && p != "exact" && p != "approx")
+      fail(path, fmt::format("expected one of fast, exact, approx, got {}{}", in_quotes(p),
+                             did_you_mean(p, {"fast", "exact", "approx"})));
+    return parse_precision(p, path);
   }
 
   ParamSpec param(const json& j, const std::string& path) const {

@@ -241,6 +241,16 @@ __device__ __forceinline__ float flexc_fast_div(float a, float b) { return a / b
 // form alone (2^-22 absolute there) moved a softcap's LSE past the tolerance rule at short KV
 // lengths (docs/perf.md, "Tried: cheaper tanh forms").
 __device__ __forceinline__ float flexc_fast_tanh(float x) { return tanhf(x); }
+// Precision::Approx's tanh: one MUFU operation, 2^-11 relative (FlashAttention-3's softcap).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float flexc_approx_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#else
+__device__ __forceinline__ float flexc_approx_tanh(float x) { return tanhf(x); }
+#endif
 // s += x with the addition's rounding error carried into c (Knuth's two-sum), so that s + c
 // rounds a sum of floats once (row_terms). Where s turns infinite or NaN, c stays: the sum is
 // then what plain additions give.

@@ -238,6 +238,22 @@ TEST_CASE("interpreter: F32 rounds every float op, F64 does not", "[analysis][in
   // constants and float params enter as float32 values in F32
   CHECK(float_binary(Op::Mul, 1.0, 0.1).f == 0.1);
   CHECK(float_binary(Op::Mul, 1.0, 0.1, Precision::F32).f == static_cast<double>(0.1f));
+
+  // F32Approx: F32 with tanh's result to 11 significant bits (tanh.approx's error), nothing else
+  for (int i = 0; i < 100; ++i) {
+    const double x = uniform(-4.0, 4.0);
+    const double t32 = float_unary(Op::Tanh, x, Precision::F32).f;
+    const double t11 = float_unary(Op::Tanh, x, Precision::F32Approx).f;
+    INFO(x << ": " << t32 << " -> " << t11);
+    CHECK(std::fabs(t11 - t32) <= std::ldexp(std::fabs(t32), -11));
+    int e = 0;
+    const double m = std::frexp(t11, &e);
+    CHECK(std::ldexp(m, 11) == std::round(std::ldexp(m, 11)));  // 11 bits
+    CHECK(float_unary(Op::Exp, x, Precision::F32Approx).f ==
+          float_unary(Op::Exp, x, Precision::F32).f);
+  }
+  CHECK(float_unary(Op::Tanh, 0.0, Precision::F32Approx).f == 0.0);
+  CHECK(float_unary(Op::Tanh, 20.0, Precision::F32Approx).f == 1.0);
 }
 
 namespace {

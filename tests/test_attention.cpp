@@ -1917,31 +1917,54 @@ TEST_CASE("row terms added to the LSE instead of every score match the reference
 
 namespace {
 
-// One score_mod both ways on the same inputs: fast must pass the tolerance rule, and its error
-// against float64 stay within 1.1x of exact's (the product bar is 1.1x FlexAttention's, whose
-// error is exact's or more).
-void check_precisions(const char* name, const char* mod) {
+// One score_mod in fast precision and in `other` on the same inputs, D 64 on the portable kernel
+// and D 128 on the Hopper one where there is one (B * Hq * Q_LEN <= 256: every row is checked, the
+// same rows both ways); `check` judges the two accuracies.
+template <class Check>
+void compare_precisions(const char* name, const char* mod, Precision other, Check check) {
   const Variant fast = Variant::from_strings(mod, "kv_idx <= q_idx + 40", {}, {}, name);
   REQUIRE(fast.precision() == Precision::Fast);
-  const Variant exact = fast.with_precision(Precision::Exact);
+  const Variant v = fast.with_precision(other);
   for (int64_t d : {64, 128}) {
-    // D 64 on the portable kernel, D 128 on the Hopper one where there is one. B * Hq * Q_LEN
-    // <= 256: every row is checked, the same rows both ways.
     const std::vector<FwdKernel> k = kernels_for(d);
     GpuCase c{d == 64 ? DType::F16 : DType::BF16, 1, 2, 1, 128, 301, d, false, 0, true, {},
               d == 64 ? k.front() : k.back()};
     const Problem p(c.B, c.Hq, c.Hkv, c.Lq, c.Lkv, c.D, c.dtype);
-    const Accuracy a_fast = run_case(fast, c, 256, &p), a_exact = run_case(exact, c, 256, &p);
-    INFO(name << ": " << c.describe() << "\n  fast  " << a_fast.summary() << "\n  exact "
-              << a_exact.summary());
-    CHECK(a_fast.pass);
-    CHECK(a_exact.pass);
-    CHECK(a_fast.out_rmse <= 1.1 * a_exact.out_rmse + 1e-7);
-    CHECK(a_fast.lse_rmse <= 1.1 * a_exact.lse_rmse + 1e-6);
+    const Accuracy a_fast = run_case(fast, c, 256, &p), a_other = run_case(v, c, 256, &p);
+    INFO(name << ": " << c.describe() << "\n  fast   " << a_fast.summary() << "\n  "
+              << to_string(other) << " " << a_other.summary());
+    check(a_fast, a_other);
   }
 }
 
+// Fast must pass the tolerance rule, and its error against float64 stay within 1.1x of exact's
+// (the product bar is 1.1x FlexAttention's, whose error is exact's or more).
+void check_precisions(const char* name, const char* mod) {
+  compare_precisions(name, mod, Precision::Exact, [](const Accuracy& fast, const Accuracy& exact) {
+    CHECK(fast.pass);
+    CHECK(exact.pass);
+    CHECK(fast.out_rmse <= 1.1 * exact.out_rmse + 1e-7);
+    CHECK(fast.lse_rmse <= 1.1 * exact.lse_rmse + 1e-6);
+  });
+}
+
+// Precision::Approx: tanh on tanh.approx passes the rule against a reference whose tanh is
+// rounded to 11 bits, and errs more than fast (which shows the approximate instruction ran).
+void check_approx(const char* name, const char* mod) {
+  compare_precisions(name, mod, Precision::Approx,
+                     [](const Accuracy& fast, const Accuracy& approx) {
+                       CHECK(approx.pass);
+                       CHECK(approx.lse_rmse > 2 * fast.lse_rmse);
+                     });
+}
+
 }  // namespace
+
+TEST_CASE("approx float math: tanh.approx against a reference with its error", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  check_approx("softcap", "30.0 * tanh(score / 30.0)");
+  check_approx("tanh_gate", "4.0 * tanh(score)");
+}
 
 // One score_mod per approximate instruction (docs/dsl.md, "Precision"), in test cases of two so
 // that tools/gpu/suite.sh compiles them in parallel.

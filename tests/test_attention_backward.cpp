@@ -470,6 +470,7 @@ TEST_CASE("backward gradients match float64: lengths, GQA, masks, score_mods", "
       check_case(causal_v, causal, s, dt, false);
       check_case(softcap_v, softcap, s, dt, true);
       check_case(softcap_v.with_precision(Precision::Exact), softcap, s, dt, true);
+      check_case(softcap_v.with_precision(Precision::Approx), softcap, s, dt, true);
       // alibi with a learnable slope per head: its gradient is sum dscore * (kv - q).
       std::vector<float> slope;
       for (int64_t h = 0; h < s.Hq; ++h) slope.push_back(std::exp2(-8.0f * float(h + 1) / float(s.Hq)));

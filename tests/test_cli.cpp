@@ -181,13 +181,17 @@ TEST_CASE("decode options of flexc run are checked before the GPU is needed", "[
           "--kv-offset is for a block of a longer sequence, not the decode path (--kv-lens)");
 }
 
-TEST_CASE("precision on the command line overrides a config's, and is fast or exact", "[cli]") {
+TEST_CASE("precision on the command line overrides a config's, and is fast, exact or approx",
+          "[cli]") {
   const Result fast = run_cli("check @softcap");
   CHECK(fast.status == 0);
   CHECK(fast.output.find("    math      fast\n") != std::string::npos);
   const Result exact = run_cli("check @softcap --precision exact");
   CHECK(exact.status == 0);
   CHECK(exact.output.find("    math      exact\n") != std::string::npos);
+  const Result approx = run_cli("check @softcap --precision approx");
+  CHECK(approx.status == 0);
+  CHECK(approx.output.find("    math      approx\n") != std::string::npos);
   // The generated hooks say which.
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / fmt::format("flexc_cli_{}", getpid());

@@ -375,6 +375,16 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
   CHECK_FALSE(has(hook_body(fast, "score_mod"), " t2 = "));
   // The derivative cap (1 - t^2) / cap folds to one FMA in t^2: k + k' t^2.
   CHECK(has(hook_body(fast, "score_mod_grad"), "= k3 + k4 * t7;"));
+  // Approx: the same code with tanh on tanh.approx, in both hooks (the backward's P and dS come
+  // from the forward's math).
+  const std::string approx = emit_cuda_variant(
+      {&softcap.score.graph, &softcap.mask.graph, &softcap.decls, "t", FloatMath::Approx});
+  CHECK(has(approx, "(approx float math in score_mod)"));
+  for (const char* hook : {"score_mod", "score_mod_grad"}) {
+    INFO(hook);
+    CHECK(has(hook_body(approx, hook), "= flexc_approx_tanh(k0 * score);"));
+    CHECK_FALSE(has(hook_body(approx, hook), "flexc_fast_tanh"));
+  }
 
   const Parsed each = parse(
       "exp(score) + exp2(score) + log(score) + log2(score) + sqrt(score) + rsqrt(score) + "

@@ -106,7 +106,8 @@ TEST_CASE("JSON errors name the file, the path and what is wrong", "[variant]") 
        "t.json: mask_mdo: unknown key (did you mean \"mask_mod\"?); expected one of name, "
        "description, score_mod, mask_mod, captures, params, precision"},
       {config(R"("precision": "fats")"),
-       "t.json: precision: expected one of fast, exact, got \"fats\" (did you mean \"fast\"?)"},
+       "t.json: precision: expected one of fast, exact, approx, got \"fats\" (did you mean "
+       "\"fast\"?)"},
       {config(R"("precision": true)"), "t.json: precision: expected a string, got true"},
       {config(R"("captures": [)" + cap + R"(, {"name": "y", "dtype": "flaot32", "shape": [4]}])"),
        "t.json: captures[1].dtype: expected one of int32, float32, bf16, fp16, bool, got "
@@ -184,12 +185,21 @@ TEST_CASE("precision: fast by default, exact on request, kept by composition", "
   CHECK(compose(fast, exact).precision() == flexc::Precision::Exact);
   CHECK(compose(fast, causal).precision() == flexc::Precision::Fast);
   CHECK(not_mask(exact).precision() == flexc::Precision::Exact);
+  // Approx combined with anything more accurate takes the more accurate.
+  const Variant approx = Variant::from_json(config(R"("precision": "approx")"));
+  CHECK(approx.precision() == flexc::Precision::Approx);
+  CHECK(compose(approx, fast).precision() == flexc::Precision::Fast);
+  CHECK(and_masks(exact, approx).precision() == flexc::Precision::Exact);
+  CHECK(compose(approx, approx.renamed("y")).precision() == flexc::Precision::Approx);
   // Names and parsing.
   CHECK(to_string(flexc::Precision::Fast) == "fast");
   CHECK(to_string(flexc::Precision::Exact) == "exact");
+  CHECK(to_string(flexc::Precision::Approx) == "approx");
   CHECK(flexc::parse_precision("exact") == flexc::Precision::Exact);
+  CHECK(flexc::parse_precision("approx") == flexc::Precision::Approx);
   CHECK_THROWS_WITH(flexc::parse_precision("fastest", "--precision"),
-                    "--precision: \"fastest\" is not a precision; use \"fast\" or \"exact\"");
+                    "--precision: \"fastest\" is not a precision; use \"fast\", \"exact\" or "
+                    "\"approx\"");
 }
 
 TEST_CASE("at most FLEXC_MAX_CAPTURES captures and FLEXC_MAX_PARAMS runtime params", "[variant]") {

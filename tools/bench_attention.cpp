@@ -1,19 +1,20 @@
 // bench_attention: forward (or, with --backward, backward) attention TFLOP/s on the anchors' shapes
 // (../shared/anchors.md): 16k tokens per batch, H * D = 2048, S = 1k / 4k / 16k, D = 64 / 128 for
 // noop and causal; the catalogue's alibi, softcap (30), sliding_window (1024), prefix_lm (2048),
-// document (six equal documents) and t5_bias at S = 16k, B = 1, H = 16, D = 128. The backward adds learnable
-// biases, each with and without its gradient: alibi / alibi_dslope, rel_bias / rel_bias_dbias (a
-// [H, 256] table indexed by the clamped relative position). With --gallery tools/gallery.json,
-// the gallery's variants instead (issue 11's broader sample: transcendental score_mods, learned
-// biases, integer-heavy mods, capture-based and 2-D masks, combinations), at S = 8k and 16k,
-// D = 64 and 128, with the same shape rule. With --head-dims, the other head dims instead: noop
-// and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, and noop_dv128 /
+// document (six equal documents) and t5_bias at S = 16k, B = 1, H = 16, D = 128. The backward adds
+// learnable biases, each with and without its gradient: alibi / alibi_dslope, rel_bias /
+// rel_bias_dbias (a [H, 256] table indexed by the clamped relative position). With --gallery
+// tools/gallery.json, the gallery's variants instead (issue 11's broader sample: transcendental
+// score_mods, learned biases, integer-heavy mods, capture-based and 2-D masks, combinations), at S
+// = 8k and 16k, D = 64 and 128, with the same shape rule. With --head-dims, the other head dims
+// instead: noop and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, and noop_dv128 /
 // causal_dv128 with q / k head dim 192 and v's 128 (MLA's shapes), 16k tokens per batch, H = 16.
 //
 //   bench_attention [--cases noop,causal,...] [--gallery FILE | --head-dims] [--reps 20]
 //                   [--seqs 1024,2048,4096]  (S of noop and causal; default 1k, 4k, 16k)
 //                   [--dtype bf16|fp16]
-//                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact] [--json]
+//                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact,approx]
+//                   [--json]
 //
 // FLOPs = 4 * B * H * S * S * D * density (2 * B * H * S * S * (D + Dv) * density when v's head
 // dim Dv differs; backward: 2.5 times that, the peers' convention),
@@ -190,10 +191,10 @@ int main(int argc, char** argv) {
                  "portable, hopper")
       ->delimiter(',');
   app.add_option("--precision", precision_names,
-                 "score_mod float math to time, comma-separated: fast, exact (rows of exact are "
-                 "named KERNEL_exact)")
+                 "score_mod float math to time, comma-separated: fast, exact, approx (rows of "
+                 "exact and approx are named KERNEL_exact, KERNEL_approx)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"fast", "exact"}));
+      ->check(CLI::IsMember({"fast", "exact", "approx"}));
   app.add_option("--reps", reps, "timed repetitions (median reported)")->check(CLI::PositiveNumber);
   app.add_option("--dtype", dtype_name_arg, "bf16 or fp16")->check(CLI::IsMember({"bf16", "fp16"}));
   app.add_flag("--backward", backward,
@@ -323,7 +324,7 @@ int main(int argc, char** argv) {
                                               : "",
                               kernel == FwdKernel::Auto ? "" : "_" + std::string(to_string(kernel)))
                         : std::string(to_string(kernel))) +
-              (precision == "exact" ? "_exact" : "");
+              (precision == "fast" ? "" : "_" + precision);
           fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
                      c.s, c.d, B, H, dens, t, tflops);
           if (json)

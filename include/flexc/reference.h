@@ -3,7 +3,8 @@
 //
 // Two results per row: `gold` is exact float64 attention on the kernel's (rounded) inputs; `ref`
 // is the same computation with the kernel's rounding points (scores rounded to float32, P rounded
-// to the kernel's dtype before P.V, the output rounded to it, LSE rounded to float32). rmse(ref,
+// to the kernel's dtype before P.V, the output rounded to it, LSE rounded to float32; for a
+// Precision::Approx variant tanh rounded to 11 significant bits, tanh.approx's error). rmse(ref,
 // gold) is the error a correct kernel makes; a kernel passes when its own error is at most 1.5
 // times that, plus 1e-6.
 #pragma once

@@ -37,10 +37,13 @@ struct ParamSpec {
 // How score_mod's float math is compiled (docs/dsl.md, "Precision"). Fast (the default): the
 // GPU's approximate instructions for exp, log, tanh, sigmoid, sin, cos, sqrt, rsqrt and division,
 // and multiply-adds fused, each function's error documented; Exact: every operation rounded as
-// IEEE float32, as the CPU interpreter's float32 mode does, bit for bit. mask_mod is always exact.
-enum class Precision { Fast, Exact };
-std::string_view to_string(Precision p);  // "fast", "exact"
-// "fast" or "exact"; throws flexc::Error naming `what` (e.g. "--precision") otherwise.
+// IEEE float32, as the CPU interpreter's float32 mode does, bit for bit. Approx: Fast with tanh on
+// the GPU's tanh.approx (2^-11 relative at worst, FlashAttention-3's softcap: 1.3-1.5x Fast's
+// softcap rate), outside the tolerance rule Fast meets (a softcap's LSE ~7x less accurate than
+// Fast's; docs/dsl.md). mask_mod is always exact.
+enum class Precision { Fast, Exact, Approx };
+std::string_view to_string(Precision p);  // "fast", "exact", "approx"
+// "fast", "exact" or "approx"; throws flexc::Error naming `what` (e.g. "--precision") otherwise.
 Precision parse_precision(std::string_view text, std::string_view what = "precision");
 
 // What a mod reads.

@@ -187,7 +187,8 @@ PYBIND11_MODULE(_flexc, m) {
 
   py::enum_<Precision>(m, "Precision")
       .value("FAST", Precision::Fast)
-      .value("EXACT", Precision::Exact);
+      .value("EXACT", Precision::Exact)
+      .value("APPROX", Precision::Approx);
 
   py::class_<CaptureSpec>(m, "CaptureSpec")
       .def(py::init([](std::string name, std::string dtype, std::vector<std::string> dims) {

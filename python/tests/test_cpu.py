@@ -24,6 +24,7 @@ def test_catalogue_and_expressions():
     assert v.score_grad == "2.0"
     assert v.precision == flexc.Precision.FAST
     assert v.with_precision(flexc.Precision.EXACT).precision == flexc.Precision.EXACT
+    assert v.with_precision(flexc.Precision.APPROX).precision == flexc.Precision.APPROX
     both = flexc.Variant.from_catalogue("causal") & flexc.Variant.from_catalogue("sliding_window")
     assert "window" in [p.name for p in both.params]
 

@@ -36,9 +36,10 @@ std::string int_problem(std::string_view text, int64_t lo, int64_t hi, int64_t& 
 
 void add_precision_option(CLI::App* cmd, std::string& precision) {
   cmd->add_option("--precision", precision,
-                  "score_mod float math: fast (approximate instructions, the default) or exact "
-                  "(IEEE float32); overrides the configs' \"precision\"")
-      ->check(CLI::IsMember({"fast", "exact"}));
+                  "score_mod float math: fast (approximate instructions, the default), exact "
+                  "(IEEE float32) or approx (fast with tanh.approx); overrides the configs' "
+                  "\"precision\"")
+      ->check(CLI::IsMember({"fast", "exact", "approx"}));
 }
 
 Variant load_variant(std::string_view config, const std::string& precision) {
