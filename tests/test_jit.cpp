@@ -316,6 +316,8 @@ TEST_CASE("the public JIT API: templates, ahead-of-time compiles, the disk cache
         flexc::CompiledKernel::Origin::MemoryCache);
   CHECK(flexc::compile_kernels(v, builds, false)[0].origin ==
         flexc::CompiledKernel::Origin::Compiled);
+  flexc::clear_kernel_memory_cache();  // the next compile reads the disk
+  CHECK(flexc::compile_kernels(v, builds)[1].origin == flexc::CompiledKernel::Origin::DiskCache);
   const flexc::KernelBuild unknown[] = {{"attention_nope", "sm_90"}};
   CHECK_THROWS_WITH(flexc::compile_kernels(v, unknown),
                     Catch::Contains("unknown kernel 'attention_nope'") &&
@@ -335,6 +337,27 @@ TEST_CASE("the public JIT API: templates, ahead-of-time compiles, the disk cache
   CHECK(age < std::chrono::minutes(5));
   CHECK(flexc::clear_kernel_cache() == 2);
   CHECK(flexc::kernel_cache_info().entries == 0);
+
+  // The Hopper forward's wide kv tiles (what flexc::attention runs at D 192 without staged
+  // loads): 112 keys per tile, a build of its own; only that kernel, at the head dims that have
+  // them.
+  const Variant plain = Variant::from_strings(
+      fmt::format("score * {}", std::uniform_int_distribution<int>(2, 1 << 20)(rng())),
+      "kv_idx <= q_idx");
+  flexc::KernelBuild wide{"attention_fwd_sm90", "sm_90a", "bf16", 192};
+  const flexc::CompiledKernel narrow = flexc::compile_kernels(plain, std::span(&wide, 1))[0];
+  wide.wide_kv = true;
+  const flexc::CompiledKernel w = flexc::compile_kernels(plain, std::span(&wide, 1))[0];
+  CHECK(w.key != narrow.key);
+  CHECK(w.ptx.find("m64n112k16") != std::string::npos);
+  CHECK(narrow.ptx.find("m64n112k16") == std::string::npos);
+  const flexc::KernelBuild bad[] = {
+      {"attention_fwd", "sm_90", "bf16", 128, 0, false, false, false, true},
+      {"attention_fwd_sm90", "sm_90", "bf16", 64, 0, false, false, false, true}};
+  CHECK_THROWS_WITH(flexc::compile_kernels(v, std::span(&bad[0], 1)),
+                    "kernel 'attention_fwd': wide_kv is attention_fwd_sm90's alone");
+  CHECK_THROWS_WITH(flexc::compile_kernels(v, std::span(&bad[1], 1)),
+                    Catch::Contains("no wide kv tiles for head dims 64 / 64"));
 }
 
 TEST_CASE("truncated, corrupt and foreign cache files are dropped and recompiled", "[jit]") {
@@ -1233,6 +1256,25 @@ TEST_CASE("fast float math stays within the error docs/dsl.md states for each fu
   for (float t : got)
     if (!std::isnan(t)) most = std::max(most, std::abs(t));
   CHECK(most <= 1.0f);
+}
+
+TEST_CASE("load_kernels compiles and loads ahead of the first call", "[gpu]") {
+  if (!gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  FreshCache cache;
+  const Variant v = fresh_variant();
+  const flexc::KernelBuild build{"attention_fwd", "", "bf16", 64};
+  const CacheCounters before = cache_counters();
+  flexc::load_kernels(v, std::span(&build, 1));
+  CHECK(cache_counters().compiles == before.compiles + 1);
+  // Loaded: asking again neither compiles nor reads the disk.
+  flexc::load_kernels(v, std::span(&build, 1));
+  CHECK(cache_counters().compiles == before.compiles + 1);
+  CHECK(cache_counters().disk_hits == before.disk_hits);
+  CHECK(flexc::compile_kernels(v, std::span(&build, 1))[0].origin ==
+        flexc::CompiledKernel::Origin::MemoryCache);
 }
 
 TEST_CASE("DeviceBuffer, Stream and EventTimer work on the device", "[gpu]") {

@@ -13,15 +13,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "bench_util.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "flexc/jit.h"
 #include "flexc/variant.h"
-#include "jit/jit.h"
-#include "jit/kernels.h"
 
 using namespace flexc;
 using flexc_bench::median;
@@ -29,9 +29,9 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double thread_cpu_seconds() {
+double process_cpu_seconds() {
   rusage u{};
-  getrusage(RUSAGE_THREAD, &u);
+  getrusage(RUSAGE_SELF, &u);  // NVRTC runs on the JIT's compile threads
   return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
          static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
 }
@@ -43,26 +43,27 @@ double since(Clock::time_point t0) {
 std::string ms(double s) { return fmt::format("{:.3f} ms", s * 1e3); }
 std::string us(double s) { return fmt::format("{:.2f} us", s * 1e6); }
 
-void bench(const std::string& variant, const jit::KnownKernel& k, const jit::KernelConfig& cfg,
-           int reps) {
+void bench(const std::string& variant, const KernelBuild& build, int reps) {
   const auto fresh = [&] {
     return variant.ends_with(".json") ? Variant::from_json_file(variant)
                                       : Variant::from_catalogue(variant);
   };
   const Variant v = fresh();
-  const jit::KernelSpec spec = k.spec(cfg);
+  const std::span<const KernelBuild> builds(&build, 1);
   const bool gpu = flexc::gpu_available();
-  fmt::print("{} kernel for '{}' ({}), {} repetitions{}\n", k.name, v.name(),
-             spec.arch.empty() ? "this GPU" : spec.arch, reps, gpu ? "" : ", no GPU");
 
   // Cold: NVRTC every time. The first compile of the process also pays NVRTC's start-up.
   std::vector<double> wall, cpu;
+  std::string arch;
   for (int i = 0; i <= reps; ++i) {
     const auto t0 = Clock::now();
-    const double c0 = thread_cpu_seconds();
-    jit::compile(v, spec, {.use_cache = false});
+    const double c0 = process_cpu_seconds();
+    arch = compile_kernels(v, builds, false).at(0).arch;
     wall.push_back(since(t0));
-    cpu.push_back(thread_cpu_seconds() - c0);
+    cpu.push_back(process_cpu_seconds() - c0);
+    if (i == 0)
+      fmt::print("{} kernel for '{}' ({}), {} repetitions{}\n", build.kernel, v.name(),
+                 arch.empty() ? "this GPU" : arch, reps, gpu ? "" : ", no GPU");
   }
   fmt::print("  cold compile, first in process  {:>12}  (cpu {})\n", ms(wall[0]), ms(cpu[0]));
   wall.erase(wall.begin());
@@ -71,26 +72,27 @@ void bench(const std::string& variant, const jit::KnownKernel& k, const jit::Ker
              ms(median(cpu)));
 
   // Warm disk hit: memory dropped, as in a new process; emit + splice + key + read + check.
-  jit::compile(v, spec);
+  compile_kernels(v, builds);
   std::vector<double> disk;
   for (int i = 0; i < reps; ++i) {
-    jit::reset_cache();
+    clear_kernel_memory_cache();
     const auto t0 = Clock::now();
-    const jit::Compiled c = jit::compile(v, spec);
+    const CompiledKernel c = compile_kernels(v, builds).at(0);
     disk.push_back(since(t0));
-    if (!c.from_disk) throw Error("bench_jit: expected a disk hit");
+    if (c.origin != CompiledKernel::Origin::DiskCache)
+      throw Error("bench_jit: expected a disk hit");
   }
-  fmt::print("  disk hit, compile()             {:>12}\n", ms(median(disk)));
+  fmt::print("  disk hit, compile_kernels()     {:>12}\n", ms(median(disk)));
 
-  // The same through get_kernel, with the module load: a new Variant object each time so that
-  // nothing in memory can answer.
+  // The same with the module load: a new Variant object each time so that nothing in memory
+  // can answer.
   if (gpu) {
     std::vector<double> load;
     for (int i = 0; i < reps; ++i) {
       const Variant w = fresh();
-      jit::reset_cache();
+      clear_kernel_memory_cache();
       const auto t0 = Clock::now();
-      jit::get_kernel(w, spec);
+      load_kernels(w, builds);
       load.push_back(since(t0));
     }
     fmt::print("  disk hit + module load          {:>12}\n", ms(median(load)));
@@ -100,16 +102,16 @@ void bench(const std::string& variant, const jit::KnownKernel& k, const jit::Ker
 
   constexpr int kHits = 2000;
   auto t0 = Clock::now();
-  for (int i = 0; i < kHits; ++i) jit::compile(v, spec);
-  fmt::print("  memory hit, compile()           {:>12}  (copies the cubin and the .cu)\n",
+  for (int i = 0; i < kHits; ++i) compile_kernels(v, builds);
+  fmt::print("  memory hit, compile_kernels()   {:>12}  (copies the cubin and the .cu)\n",
              us(since(t0) / kHits));
   if (gpu) {
-    jit::get_kernel(v, spec);
+    load_kernels(v, builds);
     t0 = Clock::now();
-    for (int i = 0; i < kHits; ++i) jit::get_kernel(v, spec);
-    fmt::print("  memory hit, get_kernel()        {:>12}\n", us(since(t0) / kHits));
+    for (int i = 0; i < kHits; ++i) load_kernels(v, builds);
+    fmt::print("  memory hit, load_kernels()      {:>12}\n", us(since(t0) / kHits));
   } else {
-    fmt::print("  memory hit, get_kernel()        {:>12}\n", "n/a");
+    fmt::print("  memory hit, load_kernels()      {:>12}\n", "n/a");
   }
 }
 
@@ -126,8 +128,8 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "bf16 or fp16")->capture_default_str();
   app.add_option("--head-dim", head_dim, "head dimension")->capture_default_str();
   app.add_flag("--wide-kv", wide_kv,
-               "the Hopper forward kernel's wide kv tiles (flexc::attention's build at D 128 / "
-               "192 / 256 where its hooks stage nothing per tile)");
+               "attention_fwd_sm90 with wide kv tiles (KernelBuild::wide_kv: flexc::attention's "
+               "build at D 128 / 192 / 256 where its hooks stage nothing per tile)");
   app.add_option("--reps", reps, "repetitions per figure")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
@@ -139,18 +141,21 @@ int main(int argc, char** argv) {
   unsetenv("FLEXC_DISABLE_DISK_CACHE");
   try {
     if (arch.empty() && !flexc::gpu_available()) arch = "sm_90";
-    jit::KernelConfig cfg{arch, dtype, head_dim};
-    cfg.wide_kv = wide_kv;
-    std::vector<const jit::KnownKernel*> list;
+    std::vector<std::string> list;
     if (kernels == "all")
-      list = jit::kernels_for_arch(arch.empty() ? flexc::current_arch() : arch);
+      for (const KernelInfo& k : kernel_templates(arch.empty() ? flexc::current_arch() : arch))
+        list.push_back(k.name);
     else
       for (size_t start = 0; start <= kernels.size();) {
         const size_t comma = std::min(kernels.find(',', start), kernels.size());
-        list.push_back(&jit::find_kernel(kernels.substr(start, comma - start)));
+        list.push_back(kernels.substr(start, comma - start));
         start = comma + 1;
       }
-    for (const jit::KnownKernel* k : list) bench(variant, *k, cfg, reps);
+    for (const std::string& k : list) {
+      KernelBuild build{k, arch, dtype, head_dim};
+      build.wide_kv = wide_kv && k == "attention_fwd_sm90";
+      bench(variant, build, reps);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_jit: error: %s\n", e.what());
     std::filesystem::remove_all(dir);

@@ -41,6 +41,10 @@ struct KernelBuild {
   // dv), which calls given float32 outputs run; with `accumulate` the backward's adding them
   // (BackwardOptions::accumulate). Ring attention runs both, with `positions`.
   bool f32_out = false, accumulate = false;
+  // attention_fwd_sm90's build with FlashAttention-3's wide kv tiles (176, 112 or 80 keys at
+  // equal head dims 128, 192, 256), which flexc::attention runs where the variant's hooks load
+  // nothing per tile (docs/attention.md). Another kernel, or other head dims, throw.
+  bool wide_kv = false;
 };
 
 struct CompiledKernel {
@@ -78,6 +82,15 @@ struct KernelCacheInfo {
   size_t lock_files = 0;
   int stale_seconds = 0;    // temporary and unused lock files are removed at this age
 };
+// Compiles (or takes from the caches) and loads `builds` of `v` into the current CUDA context, as
+// their first call would: a server pays NVRTC and the module loads before its first request.
+// Needs a GPU; architectures must be empty (the current GPU's) or its own.
+void load_kernels(const Variant& v, std::span<const KernelBuild> builds);
+
+// Empties this process's in-memory copies of compiled kernels (loaded kernels stay loaded and
+// valid) and re-reads the cache's environment: the next compile of a kernel reads the disk cache.
+void clear_kernel_memory_cache();
+
 KernelCacheInfo kernel_cache_info();
 std::vector<KernelCacheEntry> kernel_cache_entries();  // most recently used first
 // Removes every entry, lock and temporary file; returns the number of entries.

@@ -1,6 +1,8 @@
 // include/flexc/jit.h over the JIT's own interfaces (jit.h, kernels.h, cache.h).
-#include "flexc/jit.h"
+#include <fmt/format.h>
 
+#include "flexc/error.h"
+#include "flexc/jit.h"
 #include "jit/cache.h"
 #include "jit/jit.h"
 #include "jit/kernels.h"
@@ -16,6 +18,20 @@ KernelInfo info_of(const jit::KnownKernel& k) {
 std::chrono::system_clock::time_point to_system(std::filesystem::file_time_type t) {
   return std::chrono::time_point_cast<std::chrono::system_clock::duration>(
       t - std::filesystem::file_time_type::clock::now() + std::chrono::system_clock::now());
+}
+
+std::vector<jit::KernelSpec> specs_of(std::span<const KernelBuild> builds) {
+  std::vector<jit::KernelSpec> specs;
+  for (const KernelBuild& b : builds) {
+    if (b.wide_kv && b.kernel != "attention_fwd_sm90")
+      throw Error(fmt::format("kernel '{}': wide_kv is attention_fwd_sm90's alone", b.kernel));
+    jit::KernelConfig cfg{b.arch, b.dtype, b.head_dim, b.v_head_dim};
+    cfg.positions = b.positions;
+    cfg.f32_out = b.f32_out, cfg.accumulate = b.accumulate;
+    cfg.wide_kv = b.wide_kv;
+    specs.push_back(jit::find_kernel(b.kernel).spec(cfg));
+  }
+  return specs;
 }
 
 }  // namespace
@@ -47,19 +63,19 @@ CompiledKernel to_compiled_kernel(Compiled c, std::string arch) {
 
 std::vector<CompiledKernel> compile_kernels(const Variant& v, std::span<const KernelBuild> builds,
                                             bool use_cache) {
-  std::vector<jit::KernelSpec> specs;
-  for (const KernelBuild& b : builds) {
-    jit::KernelConfig cfg{b.arch, b.dtype, b.head_dim, b.v_head_dim};
-    cfg.positions = b.positions;
-    cfg.f32_out = b.f32_out, cfg.accumulate = b.accumulate;
-    specs.push_back(jit::find_kernel(b.kernel).spec(cfg));
-  }
+  const std::vector<jit::KernelSpec> specs = specs_of(builds);
   std::vector<CompiledKernel> out;
   std::vector<jit::Compiled> compiled = jit::compile_all(v, specs, {.use_cache = use_cache});
   for (size_t i = 0; i < compiled.size(); ++i)
     out.push_back(jit::to_compiled_kernel(std::move(compiled[i]), specs[i].arch));
   return out;
 }
+
+void load_kernels(const Variant& v, std::span<const KernelBuild> builds) {
+  jit::get_kernels(v, specs_of(builds));
+}
+
+void clear_kernel_memory_cache() { jit::reset_cache(); }
 
 KernelCacheInfo kernel_cache_info() {
   const jit::DiskCache cache(jit::CacheSettings::from_env());
