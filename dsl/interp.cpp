@@ -197,12 +197,14 @@ Value apply(const Node& n, const Arg& a) {
   throw std::invalid_argument(fmt::format("evaluate_op: '{}' is a leaf", op_name(n.op)));
 }
 
-// x rounded to `bits` significant bits (to nearest; ties away from zero).
-double round_bits(double x, int bits) {
-  if (x == 0 || !std::isfinite(x)) return x;
+// F32Approx's rounding point: tanh's float32 result to 11 significant bits (to nearest, ties away
+// from zero), tanh.approx's error; every other result as F32 computes it.
+Value approximated(const Node& n, Value v) {
+  if (n.op != Op::Tanh || v.f == 0 || !std::isfinite(v.f)) return v;
   int e = 0;
-  const double m = std::frexp(x, &e);  // |m| in [0.5, 1)
-  return std::ldexp(std::round(std::ldexp(m, bits)), e - bits);
+  const double m = std::frexp(v.f, &e);  // |m| in [0.5, 1)
+  v.f = std::ldexp(std::round(std::ldexp(m, 11)), e - 11);
+  return v;
 }
 
 template <bool F32>
@@ -235,7 +237,7 @@ Value run(const Graph& g, NodeId root, const EvalEnv& env, std::vector<Value>& v
       case Op::Load: out = load<F32>(n, vals.data(), env); break;
       default:
         out = apply<F32>(n, [&](int k) -> const Value& { return vals[n.args[k]]; });
-        if (approx && n.op == Op::Tanh) out.f = round_bits(out.f, 11);
+        if (approx) out = approximated(n, out);
     }
   }
   return vals[root];
@@ -276,9 +278,8 @@ Value evaluate_op(const Node& n, std::span<const Value> args, Precision p) {
                                             op_name(n.op), n.nargs, args.size()));
   const auto arg = [&](int k) -> const Value& { return args[k]; };
   if (p == Precision::F64) return apply<false>(n, arg);
-  Value v = apply<true>(n, arg);
-  if (p == Precision::F32Approx && n.op == Op::Tanh) v.f = round_bits(v.f, 11);
-  return v;
+  const Value v = apply<true>(n, arg);
+  return p == Precision::F32Approx ? approximated(n, v) : v;
 }
 
 }  // namespace flexc::dsl

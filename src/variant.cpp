@@ -662,13 +662,14 @@ Variant Variant::with_precision(Precision p) const {
 }
 
 std::string_view to_string(Precision p) {
-  return p == Precision::Fast ? "fast" : p == Precision::Exact ? "exact" : "approx";
+  for (const auto& [name, q] : detail::kPrecisionNames)
+    if (q == p) return name;
+  return "?";
 }
 
 Precision parse_precision(std::string_view text, std::string_view what) {
-  if (text == "fast") return Precision::Fast;
-  if (text == "exact") return Precision::Exact;
-  if (text == "approx") return Precision::Approx;
+  for (const auto& [name, p] : detail::kPrecisionNames)
+    if (text == name) return p;
   throw Error(fmt::format("{}: {} is not a precision; use \"fast\", \"exact\" or \"approx\"", what,
                           detail::in_quotes(text)));
 }

@@ -39,6 +39,11 @@ struct VariantImpl {
   dsl::LaunchFacts facts;
 };
 
+// Every precision by its name ("fast", "exact", "approx"), in that order: to_string,
+// parse_precision and the JSON reader's.
+inline constexpr std::pair<std::string_view, Precision> kPrecisionNames[] = {
+    {"fast", Precision::Fast}, {"exact", Precision::Exact}, {"approx", Precision::Approx}};
+
 // The precision of a variant combined from a and b: the more accurate (Exact, then Fast).
 inline Precision combined_precision(const VariantImpl& a, const VariantImpl& b) {
   for (Precision p : {Precision::Exact, Precision::Fast})

@@ -256,10 +256,13 @@ class Reader {
 
   Precision precision(const json& j, const std::string& path) const {
     const std::string p = string(j, path);
-    if (p != "fast" && p != "exact" && p != "approx")
-      fail(path, fmt::format("expected one of fast, exact, approx, got {}{}", in_quotes(p),
-                             did_you_mean(p, {"fast", "exact", "approx"})));
-    return parse_precision(p, path);
+    std::vector<std::string> names;
+    for (const auto& [name, q] : kPrecisionNames) {
+      if (p == name) return q;
+      names.emplace_back(name);
+    }
+    fail(path, fmt::format("expected one of {}, got {}{}", fmt::join(names, ", "), in_quotes(p),
+                           did_you_mean(p, names)));
   }
 
   ParamSpec param(const json& j, const std::string& path) const {
