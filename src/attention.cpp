@@ -352,8 +352,12 @@ FwdKernel parse_fwd_kernel(std::string_view name) {
   throw Error(fmt::format("unknown forward kernel '{}' (auto, portable or hopper)", name));
 }
 
-void attention(const TensorView& q, const TensorView& k, const TensorView& v,
-               const TensorView& out, const Variant& variant, const AttentionOptions& opts) {
+namespace {
+
+// flexc::attention, and with `enqueue` false prepare_attention: every check and choice, the
+// kernel compiled, loaded and its shared memory raised, then nothing enqueued.
+void forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+             const Variant& variant, const AttentionOptions& opts, bool enqueue) {
   const DType dtype = q.dtype;
   detail::check_qkv(kWhat, "q", q, dtype);
   detail::check_qkv(kWhat, "k", k, dtype);
@@ -504,6 +508,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     kc.tile_tma = tile_tma();
     rebuild();
   }
+  const size_t smem = size_t(smem_of(kc.tile_tma));
+  kernel->reserve_smem(smem);
+  FlexcBlockMask bm{};
+  if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
+  if (!enqueue) return;
   FlexcAttentionParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;
   p.lse = opts.lse ? static_cast<float*>(opts.lse->data) : nullptr;
@@ -518,8 +527,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   FlexcArgs args = detail::kernel_args(impl, params, captures);
-  FlexcBlockMask bm{};
-  if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
   // The Hopper kernel also takes the TMA descriptors of q, k and v, and of its tile load (unused
   // without kTileTma).
   FlexcTensorMap maps[4]{};
@@ -532,7 +539,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
     for (FlexcTensorMap& m : maps) argv.push_back(&m);
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
-  const size_t smem = size_t(smem_of(kc.tile_tma));
   // A CTA per work item (q tile, head, batch), or one per SM looping over them
   // (templates/attention_fwd_sm90.cuh, Items).
   if (kc.persistent) {
@@ -543,6 +549,19 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
   const bool heads_first = hopper && facts.score_tiles_share_heads;
   kernel->launch(heads_first ? unsigned(Hq) : q_tiles, heads_first ? q_tiles : unsigned(Hq),
                  unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
+}
+
+}  // namespace
+
+void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+               const Variant& variant, const AttentionOptions& opts) {
+  forward(q, k, v, out, variant, opts, true);
+}
+
+void prepare_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& out, const Variant& variant,
+                       const AttentionOptions& opts) {
+  forward(q, k, v, out, variant, opts, false);
 }
 
 }  // namespace flexc

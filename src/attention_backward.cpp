@@ -122,13 +122,11 @@ constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
 [[noreturn]] void fail(const std::string& msg) { throw Error(fmt::format("{}: {}", kWhat, msg)); }
 
-
-}  // namespace
-
-void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                        const TensorView& out, const TensorView& lse, const TensorView& dout,
-                        const AttentionGrads& grads, const Variant& variant,
-                        const BackwardOptions& opts) {
+// flexc::attention_backward, and with `enqueue` false prepare_attention_backward: every check
+// and choice, the kernels compiled, loaded and their shared memory raised, nothing enqueued.
+void backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+              const TensorView& lse, const TensorView& dout, const AttentionGrads& grads,
+              const Variant& variant, const BackwardOptions& opts, bool enqueue) {
   const DType dtype = q.dtype;
   const std::pair<const char*, const TensorView*> tensors[] = {
       {"q", &q},         {"k", &k},         {"v", &v},        {"out", &out},
@@ -261,6 +259,14 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
   const std::vector<const jit::Kernel*> kernels = jit::get_kernels(variant, specs);
   const size_t dq_rows_smem = detail::bwd_dq_rows_smem(int(D));
+  kernels[1]->reserve_smem(main_cfg.smem_bytes);
+  if (deterministic) kernels[2]->reserve_smem(dq_rows_smem);
+  FlexcBlockMask bm{};
+  if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
+  if (!enqueue) {
+    detail::prepare_workspace(opts.workspace);
+    return;
+  }
 
   const int64_t rows = B * Hq * q_len;
   // delta, and (unless deterministic) the float32 dQ accumulator, 256-byte aligned (the Hopper
@@ -290,8 +296,6 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   p.dlse = opts.dlse ? static_cast<const float*>(opts.dlse->data) : nullptr;
   p.delta = static_cast<float*>(work.get());
   p.dq_accum = deterministic ? nullptr : p.delta + delta_floats;
-  FlexcBlockMask bm{};
-  if (opts.block_mask) bm = detail::device_view(*opts.block_mask, opts.stream);
 
   // No queries: dk and dv are zeros (the main kernel visits no q tile). No keys: dq is zeros
   // (the accumulator prep zeroed).
@@ -320,6 +324,22 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   else if (q_len > 0)
     kernels[2]->launch(unsigned((q_len * (D / 8) + 255) / 256), unsigned(Hq), unsigned(B), 256, 0,
                        opts.stream, prep_args);
+}
+
+}  // namespace
+
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const AttentionGrads& grads, const Variant& variant,
+                        const BackwardOptions& opts) {
+  backward(q, k, v, out, lse, dout, grads, variant, opts, true);
+}
+
+void prepare_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& out, const TensorView& lse,
+                                const TensorView& dout, const AttentionGrads& grads,
+                                const Variant& variant, const BackwardOptions& opts) {
+  backward(q, k, v, out, lse, dout, grads, variant, opts, false);
 }
 
 }  // namespace flexc

@@ -87,6 +87,13 @@ StreamBuffer::StreamBuffer(size_t bytes, CUstream stream, const WorkspaceAllocat
   ptr_ = ptr;
 }
 
+void prepare_workspace(const WorkspaceAllocator& alloc) {
+  if (alloc) return;
+  const jit::DriverApi& d = jit::driver("preparing flexc's workspace pool");
+  jit::current_context();
+  workspace_pool(d);
+}
+
 StreamBuffer::~StreamBuffer() {
   if (owned_) jit::driver("freeing workspace").cuMemFreeAsync(ptr_, stream_);
 }

@@ -64,6 +64,10 @@ class StreamBuffer {
   bool owned_ = true;
 };
 
+// What a StreamBuffer without `alloc` takes its memory from (flexc's pool), made ahead: the
+// prepare_* calls do it, so that a call captured into a CUDA graph creates no pool.
+void prepare_workspace(const WorkspaceAllocator& alloc);
+
 // Whether the BlockMask's tiles split into a kernel's block_m x block_n tiles.
 bool tiles_fit(const BlockMask& bm, int block_m, int block_n);
 // The BlockMask matches the call (lengths, positions; nb / nh 1 or B / Hq) and its tiles split

@@ -153,8 +153,12 @@ int decode_splits(int64_t batch, int64_t kv_heads, int64_t row_blocks, int64_t m
   return 1;
 }
 
-void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
-            const Variant& variant, const DecodeOptions& opts) {
+namespace {
+
+// flexc::decode, and with `enqueue` false prepare_decode: every check (but check_device_args,
+// which reads the device data) and choice, the kernels compiled and loaded, nothing enqueued.
+void run_decode(const TensorView& q, const KvCache& cache, const TensorView& out,
+                const Variant& variant, const DecodeOptions& opts, bool enqueue) {
   const DType dtype = q.dtype;
   const TensorView &k = cache.k, &v = cache.v;
   detail::check_qkv(kWhat, "q", q, dtype);
@@ -234,7 +238,7 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
   const auto captures =
       detail::resolve_captures(impl, opts.captures, {B, Hq, capacity, capacity}, what);
   if (q_len == 0) return;
-  if (opts.check_device_args)
+  if (opts.check_device_args && enqueue)
     check_device_args(cache, B, q_len, capacity, page_size, num_pages, opts.stream);
 
   const detail::DeviceLimits dev = detail::device_limits();
@@ -256,6 +260,16 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
   const jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D), int(Dv)};
   jit::KernelSpec spec = jit::attention_decode_spec(kc, cfg.mt);
   const jit::Kernel& kernel = jit::get_kernel(variant, spec);
+  kernel.reserve_smem(cfg.smem_bytes);
+  const jit::Kernel* combine = nullptr;
+  if (splits > 1) {
+    spec.entry = "flexc_attention_combine";
+    combine = &jit::get_kernel(variant, spec);
+  }
+  if (!enqueue) {
+    if (splits > 1) detail::prepare_workspace(opts.workspace);
+    return;
+  }
 
   FlexcDecodeParams p{};
   p.q = q.data, p.k = k.data, p.v = v.data, p.o = out.data;
@@ -286,9 +300,7 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
   void* argv[] = {&p, &args};
   kernel.launch(unsigned(splits), unsigned(row_blocks * Hkv), unsigned(B), 128, cfg.smem_bytes,
                 opts.stream, argv);
-  if (splits > 1) {
-    spec.entry = "flexc_attention_combine";
-    const jit::Kernel& combine = jit::get_kernel(variant, spec);
+  if (combine) {
     FlexcCombineParams c{};
     c.o_part = p.o_part, c.lse_part = p.lse_part, c.out = out.data, c.lse = p.lse;
     for (int i = 0; i < 3; ++i) c.out_stride[i] = out.stride(i);
@@ -297,8 +309,20 @@ void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
     void* cargs[] = {&c};
     // Launched early (programmatic dependent launch): it starts as the decode CTAs finish their
     // loops and waits for their results, so its launch overlaps the decode's tail.
-    combine.launch(unsigned((out_rows + 3) / 4), 1, 1, 128, 0, opts.stream, cargs, true);
+    combine->launch(unsigned((out_rows + 3) / 4), 1, 1, 128, 0, opts.stream, cargs, true);
   }
+}
+
+}  // namespace
+
+void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
+            const Variant& variant, const DecodeOptions& opts) {
+  run_decode(q, cache, out, variant, opts, true);
+}
+
+void prepare_decode(const TensorView& q, const KvCache& cache, const TensorView& out,
+                    const Variant& variant, const DecodeOptions& opts) {
+  run_decode(q, cache, out, variant, opts, false);
 }
 
 }  // namespace flexc

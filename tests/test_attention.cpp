@@ -1,11 +1,12 @@
 // Forward attention: the CPU reference and tolerance rule, .npy files, argument validation and the
 // kernel's configurations (CI), and the kernel against the reference on the GPU ([gpu]).
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <limits>
 #include <optional>
@@ -23,6 +24,7 @@
 #include "flexc/variant.h"
 #include "jit/compiler.h"
 #include "jit/jit.h"
+#include "test_graph.h"
 #include "test_random.h"
 #include "test_tensors.h"
 #include "variant_impl.h"
@@ -472,6 +474,9 @@ TEST_CASE("TensorView::narrow views a range of one dimension", "[tensor]") {
 // ---- validation and configuration (CI: everything here fails before any GPU work)
 
 TEST_CASE("flexc::attention names the bad argument", "[attention]") {
+  // prepare_attention runs the same checks (and fails before any GPU work alike).
+  const bool prepare = GENERATE(false, true);
+  INFO((prepare ? "prepare_attention" : "attention"));
   std::vector<uint16_t> mem(1 << 16);
   auto t = [&](std::vector<int64_t> shape, DType d = DType::BF16, std::vector<int64_t> st = {}) {
     return TensorView{mem.data() + 8, d, std::move(shape), std::move(st)};
@@ -484,7 +489,10 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   auto err = [&](const TensorView& q2, const TensorView& k2, const TensorView& o2,
                  const AttentionOptions& opts = {}, const Variant* v = nullptr) {
     try {
-      attention(q2, k2, k2, o2, v ? *v : noop, opts);
+      if (prepare)
+        prepare_attention(q2, k2, k2, o2, v ? *v : noop, opts);
+      else
+        attention(q2, k2, k2, o2, v ? *v : noop, opts);
     } catch (const Error& e) {
       return std::string(e.what());
     }
@@ -1103,6 +1111,11 @@ struct GpuCase {
   const BlockMask* given_mask = nullptr;
   const Variant* reference = nullptr;
   bool out_f32 = false;  // out in float32 (unrounded) instead of the input dtype
+  // prepare_attention first, with the JIT's memory emptied: it must compile or read the disk,
+  // and the call after it neither. With `graph` the call is captured into a CUDA graph (global
+  // capture mode: no allocation or module load may happen in it) on a stream of its own, then
+  // replayed.
+  bool prepare = false, graph = false;
 
   int64_t dv() const { return Dv ? Dv : D; }
   int64_t seq_q() const { return seq_q_len ? seq_q_len : q_offset + Lq; }
@@ -1193,6 +1206,10 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
   opts.lse = TensorView{dlse.get(), DType::F32, {c.B, c.Hq, c.Lq}, {}};
   opts.kernel = c.kernel;
   std::optional<flexc::Stream> build_stream, run_stream;
+  if (c.graph) {  // (the BlockMask built for this stream: the call waits on no other's event)
+    run_stream.emplace();
+    opts.stream = run_stream->get();
+  }
   if (c.two_streams) {
     build_stream.emplace();
     run_stream.emplace();
@@ -1205,11 +1222,30 @@ Accuracy run_case(const Variant& v, const GpuCase& c, int64_t max_rows = 256,
     opts.block_mask = c.given_mask;
   } else if (c.block_mask && !v.mask_always_true()) {
     bm = create_block_mask(v, c.B, c.Hq, c.Lq, c.Lkv, bmo,
-                           build_stream ? build_stream->get() : nullptr);
+                           build_stream ? build_stream->get() : opts.stream);
     opts.block_mask = &*bm;
   }
-  attention(q, k, vv, out, v, opts);
+  jit::CacheCounters prepared{};
+  if (c.prepare) {
+    jit::reset_cache();
+    const jit::CacheCounters before = jit::cache_counters();
+    prepare_attention(q, k, vv, out, v, opts);
+    prepared = jit::cache_counters();
+    CHECK(prepared.compiles + prepared.disk_hits > before.compiles + before.disk_hits);
+  }
+  if (c.graph) {
+    const flexc::testing::CapturedGraph graph(opts.stream,
+                                              [&] { attention(q, k, vv, out, v, opts); });
+    graph.replay();
+    run_stream->synchronize();
+  } else {
+    attention(q, k, vv, out, v, opts);
+  }
   flexc::synchronize_device();
+  if (c.prepare) {
+    CHECK(jit::cache_counters().compiles == prepared.compiles);
+    CHECK(jit::cache_counters().disk_hits == prepared.disk_hits);
+  }
 
   const std::vector<uint16_t> bits =
       c.out_f32 ? std::vector<uint16_t>() : dout.to_vector<uint16_t>(dout.size() / 2);
@@ -1551,6 +1587,45 @@ TEST_CASE("the persistent Hopper kernel matches the reference over many work ite
       check_at_offsets(v, {i % 2 ? DType::BF16 : DType::F16, 3, 8, 2, 1000, 1100, d, false, 0,
                            true, {}, FwdKernel::Hopper});
     }
+}
+
+TEST_CASE("prepare_attention loads what the call runs; the call then compiles nothing", "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // Shapes whose builds attention() picks at run time on Hopper (docs/attention.md): wide kv
+  // tiles (no BlockMask, D 128), D 64's 128-row tiles on the persistent grid (a mask, KV_LEN 1k,
+  // more items than SMs), Q in registers (D 96), a [Q_LEN, KV_LEN] bias loaded by TMA, the
+  // portable kernel (D 32), a capture-reading mask at D 256. Each after the JIT's memory is
+  // emptied; the first two also captured into a graph and replayed.
+  const Variant bias_2d = Variant::from_strings("score + bias[q_idx, kv_idx]", "true",
+                                                {{"bias", "bf16", {"Q_LEN", "KV_LEN"}}}, {}, "b2");
+  struct Pick {
+    Variant v;
+    GpuCase c;
+  };
+  const auto shape = [](DType dt, int64_t B, int64_t Hq, int64_t Hkv, int64_t Lq, int64_t Lkv,
+                        int64_t D) {
+    GpuCase c;
+    c.dtype = dt, c.B = B, c.Hq = Hq, c.Hkv = Hkv, c.Lq = Lq, c.Lkv = Lkv, c.D = D;
+    c.prepare = true;
+    return c;
+  };
+  std::vector<Pick> picks = {
+      {Variant::from_catalogue("noop"), shape(DType::BF16, 1, 4, 2, 700, 2000, 128)},
+      {Variant::from_catalogue("causal"), shape(DType::BF16, 2, 16, 4, 1000, 1000, 64)},
+      {Variant::from_catalogue("alibi"), shape(DType::F16, 1, 8, 2, 300, 1100, 96)},
+      {bias_2d, shape(DType::BF16, 1, 2, 1, 200, 1024, 64)},
+      {Variant::from_catalogue("sliding_window"), shape(DType::BF16, 1, 4, 1, 130, 333, 32)},
+      {Variant::from_catalogue("document"), shape(DType::BF16, 1, 2, 2, 500, 700, 256)},
+  };
+  picks[4].c.params["window"] = 40;
+  for (size_t i = 0; i < picks.size(); ++i) {
+    Pick& p = picks[i];
+    p.c.graph = i < 2;
+    INFO(p.v.name() << ": " << p.c.describe() << (p.c.graph ? " graph" : ""));
+    const Accuracy a = run_case(p.v, p.c);
+    INFO(a.summary());
+    CHECK(a.pass);
+  }
 }
 
 TEST_CASE("wide kv tiles match the reference, with and without a BlockMask", "[gpu]") {

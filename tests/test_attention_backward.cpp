@@ -17,6 +17,7 @@
 #include "flexc/error.h"
 #include "flexc/reference.h"
 #include "flexc/variant.h"
+#include "jit/jit.h"
 #include "test_random.h"
 #include "test_tensors.h"
 
@@ -219,6 +220,9 @@ struct BwdCase {
   // A block of a longer sequence (0: none): positions of query 0 and key 0, the lengths the mods
   // see (0: offset + rows).
   int64_t q_offset = 0, kv_offset = 0, seq_q_len = 0, seq_kv_len = 0;
+  // prepare_attention and prepare_attention_backward first, with the JIT's memory emptied: they
+  // must compile or read the disk, the calls after them neither.
+  bool prepare = false;
 
   int64_t seq_q() const { return seq_q_len ? seq_q_len : q_offset + Lq; }
   int64_t seq_kv() const { return seq_kv_len ? seq_kv_len : kv_offset + Lkv; }
@@ -310,7 +314,6 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   }
   fo.block_mask = bm ? &*bm : nullptr;
   fo.lse = tlse;
-  attention(tq, tk, tv, tout, variant, fo);
   BackwardOptions bo;
   bo.block_mask = fo.block_mask;
   bo.captures = fo.captures;
@@ -319,6 +322,18 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
   bo.q_offset = c.q_offset, bo.kv_offset = c.kv_offset;
   bo.seq_q_len = c.seq_q_len, bo.seq_kv_len = c.seq_kv_len;
   bo.accumulate = c.accumulate;
+  jit::CacheCounters prepared{};
+  if (c.prepare) {
+    jit::reset_cache();
+    const jit::CacheCounters before = jit::cache_counters();
+    prepare_attention(tq, tk, tv, tout, variant, fo);
+    const jit::CacheCounters fwd = jit::cache_counters();
+    CHECK(fwd.compiles + fwd.disk_hits > before.compiles + before.disk_hits);
+    prepare_attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
+    prepared = jit::cache_counters();
+    CHECK(prepared.compiles + prepared.disk_hits > fwd.compiles + fwd.disk_hits);
+  }
+  attention(tq, tk, tv, tout, variant, fo);
   attention_backward(tq, tk, tv, tout, tlse, tdout, grads, variant, bo);
   if (c.deterministic) {
     TensorView tdq2, tdk2, tdv2;
@@ -333,6 +348,10 @@ BackwardAccuracy run_backward_case(const Variant& variant, const BwdCase& c) {
     CHECK(bdv.to_vector<uint8_t>(bdv.size()) == bdv2.to_vector<uint8_t>(bdv2.size()));
   }
   flexc::synchronize_device();
+  if (c.prepare) {
+    CHECK(jit::cache_counters().compiles == prepared.compiles);
+    CHECK(jit::cache_counters().disk_hits == prepared.disk_hits);
+  }
 
   const std::vector<float> out = download16(c.dtype, bout, q.size());
   const std::vector<float> lse = blse.to_vector<float>(c.B * c.Hq * c.Lq);
@@ -361,6 +380,8 @@ Mod plain() {
 }  // namespace
 
 TEST_CASE("attention_backward names the bad argument", "[attention]") {
+  const bool prepare = GENERATE(false, true);  // prepare_attention_backward checks the same
+  INFO((prepare ? "prepare_attention_backward" : "attention_backward"));
   const Variant v = Variant::from_catalogue("noop");
   // Separate host buffers (validation never touches the data): no two views overlap.
   std::vector<std::vector<uint16_t>> mem(7, std::vector<uint16_t>(4096));
@@ -373,7 +394,10 @@ TEST_CASE("attention_backward names the bad argument", "[attention]") {
   const TensorView out{mem[6].data(), DType::BF16, {1, 2, 16, 64}, {}};
   const auto error = [&](const TensorView& l, const AttentionGrads& g) {
     try {
-      attention_backward(q, k, k, out, l, out, g, v);
+      if (prepare)
+        prepare_attention_backward(q, k, k, out, l, out, g, v);
+      else
+        attention_backward(q, k, k, out, l, out, g, v);
     } catch (const Error& e) {
       return std::string(e.what());
     }
@@ -670,4 +694,29 @@ TEST_CASE("backward: a block of a longer sequence at its positions against the r
       INFO(a.summary());
       CHECK(a.pass);
     }
+}
+
+TEST_CASE("prepare_attention_backward loads what the call runs; the call then compiles nothing",
+          "[gpu]") {
+  SKIP_WITHOUT_GPU();
+  // The main kernel's choice (Hopper or portable), dq's mode (atomic or deterministic), float32
+  // gradients added into, and a learnable capture: each after the JIT's memory is emptied.
+  BwdCase hopper{DType::BF16, 1, 4, 2, 300, 500, 128};
+  hopper.deterministic = false;
+  BwdCase rows{DType::F16, 2, 2, 1, 200, 129, 64};
+  BwdCase portable{DType::BF16, 1, 2, 2, 100, 333, 96};
+  portable.kernel = FwdKernel::Portable;
+  BwdCase added = hopper;
+  added.grads_f32 = added.accumulate = true;
+  const std::pair<Variant, BwdCase> picks[] = {{Variant::from_catalogue("causal"), hopper},
+                                               {Variant::from_catalogue("softcap"), rows},
+                                               {Variant::from_catalogue("alibi"), portable},
+                                               {Variant::from_catalogue("document"), added}};
+  for (auto [v, c] : picks) {
+    c.prepare = true;
+    INFO(v.name() << ": " << c.describe());
+    const BackwardAccuracy a = run_backward_case(v, c);
+    INFO(a.summary());
+    CHECK(a.pass);
+  }
 }

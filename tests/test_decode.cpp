@@ -1,10 +1,11 @@
 // flexc::decode: the reference's decode positions, argument errors, the split rule, the kernel
 // building for every variant, and ([gpu]) the kernel against the float64 reference over the
 // catalogue, ragged lengths, GQA, contiguous and paged caches and forced split counts.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
-#include <fmt/format.h>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -15,8 +16,8 @@
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/reference.h"
-#include "jit/driver_api.h"
 #include "jit/jit.h"
+#include "test_graph.h"
 #include "test_tensors.h"
 
 using namespace flexc;
@@ -134,6 +135,8 @@ TEST_CASE("the split rule fills the GPU and stays at 1 when the batch does", "[d
 }
 
 TEST_CASE("decode arguments are checked and named before any GPU work", "[decode]") {
+  const bool prepare = GENERATE(false, true);  // prepare_decode checks the same
+  INFO((prepare ? "prepare_decode" : "decode"));
   const Variant noop = Variant::from_catalogue("noop");
   alignas(16) static uint16_t mem[1 << 16];
   alignas(16) static int32_t ints[64];
@@ -146,7 +149,8 @@ TEST_CASE("decode arguments are checked and named before any GPU work", "[decode
   c.kv_lens = TensorView{ints, DType::I32, {2}, {}};
   auto throws = [&](const KvCache& cache, const std::string& what, DecodeOptions o = {},
                     std::optional<TensorView> o_q = {}, std::optional<TensorView> o_out = {}) {
-    CHECK_THROWS_WITH(decode(o_q.value_or(q), cache, o_out.value_or(out), noop, o), Contains(what));
+    const auto call = prepare ? prepare_decode : decode;
+    CHECK_THROWS_WITH(call(o_q.value_or(q), cache, o_out.value_or(out), noop, o), Contains(what));
   };
   KvCache bad = c;
   bad.kv_lens = TensorView{ints, DType::F32, {2}, {}};
@@ -561,17 +565,18 @@ TEST_CASE("a decode step captured in a CUDA graph replays with new lengths and p
   o.stream = stream.get();
   const TensorView qv{dq.get(), DType::BF16, {p.B, p.Hq, p.Lq, p.D}, {}};
   const TensorView ov{dout.get(), DType::BF16, {p.B, p.Hq, p.Lq, p.D}, {}};
-  decode(qv, cache, ov, v, o);  // compiles outside the capture
-  stream.synchronize();
+  // Compiled, loaded and the workspace pool made outside the capture, with the JIT's memory
+  // emptied first: prepare_decode must compile or read the disk, the captured call neither, and
+  // the capture's global mode refuses any allocation or module load in it.
+  jit::reset_cache();
+  const jit::CacheCounters before = jit::cache_counters();
+  prepare_decode(qv, cache, ov, v, o);
+  const jit::CacheCounters prepared = jit::cache_counters();
+  CHECK(prepared.compiles + prepared.disk_hits > before.compiles + before.disk_hits);
 
-  const jit::DriverApi& d = jit::driver("the graph test");
-  CUstream s = reinterpret_cast<CUstream>(stream.get());
-  REQUIRE(d.cuStreamBeginCapture(s, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) == CUDA_SUCCESS);
-  decode(qv, cache, ov, v, o);
-  CUgraph graph = nullptr;
-  REQUIRE(d.cuStreamEndCapture(s, &graph) == CUDA_SUCCESS);
-  CUgraphExec exec = nullptr;
-  REQUIRE(d.cuGraphInstantiate(&exec, graph, 0) == CUDA_SUCCESS);
+  const flexc::testing::CapturedGraph graph(stream.get(), [&] { decode(qv, cache, ov, v, o); });
+  CHECK(jit::cache_counters().compiles == prepared.compiles);
+  CHECK(jit::cache_counters().disk_hits == prepared.disk_hits);
 
   for (const std::vector<int64_t>& step : {std::vector<int64_t>{4001, 701, 5000},
                                            std::vector<int64_t>{17, 2, 4096}}) {
@@ -579,7 +584,7 @@ TEST_CASE("a decode step captured in a CUDA graph replays with new lengths and p
     lens.assign(step.begin(), step.end());
     dlens.upload(lens.data(), lens.size() * 4);
     dout.fill(0xff), dlse.fill(0xff);
-    REQUIRE(d.cuGraphLaunch(exec, s) == CUDA_SUCCESS);
+    graph.replay();
     stream.synchronize();
     ReferenceProblem ref = p.reference();
     ref.params = o.params;
@@ -590,6 +595,4 @@ TEST_CASE("a decode step captured in a CUDA graph replays with new lengths and p
     INFO("kv_lens " << fmt::format("{}", fmt::join(step, ", ")) << ": " << a.summary());
     CHECK(a.pass);
   }
-  d.cuGraphExecDestroy(exec);
-  d.cuGraphDestroy(graph);
 }

@@ -2,7 +2,8 @@
 // problem (B 1, H 1, 128 x 128, D 64, causal with a BlockMask, LSE written) whose kernel takes
 // less GPU time than the call takes host time, so calls back to back measure the call itself
 // (argument checks, the JIT cache lookup, the launch). tools/bench_python_overhead.py compares it
-// with the Python entry points.
+// with the Python entry points. Then the same for prepare_attention of the prepared shape (the
+// call less its launch).
 //
 //   bench_call_overhead [--calls 500] [--reps 41] [--json]
 //
@@ -44,19 +45,29 @@ int main(int argc, char** argv) {
   const TensorView tq = view(q), tk = view(k), tv = view(v), to = view(out);
   for (int i = 0; i < 100; ++i) attention(tq, tk, tv, to, causal, o);  // compile, warm up
   stream.synchronize();
-  std::vector<double> us;
-  for (int r = 0; r < reps; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) attention(tq, tk, tv, to, causal, o);
-    const auto t1 = std::chrono::steady_clock::now();
-    stream.synchronize();
-    us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+  // The median over runs of the host time per call of `call`.
+  const auto time = [&](auto call) {
+    std::vector<double> us;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < calls; ++i) call(tq, tk, tv, to, causal, o);
+      const auto t1 = std::chrono::steady_clock::now();
+      stream.synchronize();
+      us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+    }
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  };
+  const double call_us = time(attention);
+  // prepare_attention of a shape already prepared: what a server pays to check each request.
+  const double prepare_us = time(prepare_attention);
+  if (json) {
+    fmt::print("{{\"cpp_attention_us\": {:.3f}, \"cpp_prepare_attention_us\": {:.3f}}}\n", call_us,
+               prepare_us);
+  } else {
+    fmt::print(
+        "flexc::attention, cached, host time per call: {:.2f} us (median of {} x {} calls)\n",
+        call_us, reps, calls);
+    fmt::print("flexc::prepare_attention, prepared, host time per call: {:.2f} us\n", prepare_us);
   }
-  std::sort(us.begin(), us.end());
-  const double median = us[us.size() / 2];
-  if (json)
-    fmt::print("{{\"cpp_attention_us\": {:.3f}}}\n", median);
-  else
-    fmt::print("flexc::attention, cached, host time per call: {:.2f} us (median of {} x {} calls)\n",
-               median, reps, calls);
 }

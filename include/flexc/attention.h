@@ -78,6 +78,17 @@ struct AttentionOptions {
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const Variant& variant, const AttentionOptions& opts = {});
 
+// Everything flexc::attention does with these arguments but enqueue: the same checks and errors
+// (named "flexc::attention"), the same choice of kernel for these shapes, strides, BlockMask,
+// captures and GPU, that kernel compiled (or read from the caches) and loaded into the current
+// context with its shared memory raised, a BlockMask built on the CPU uploaded (on opts.stream).
+// Reads and writes no tensor data and enqueues no kernel. Afterwards the same call (any data,
+// params or scale) only launches: call it before a CUDA graph's capture, or before serving, for
+// each shape the graph or server will run (docs/attention.md, "Ahead of the first call").
+void prepare_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                       const TensorView& out, const Variant& variant,
+                       const AttentionOptions& opts = {});
+
 // What flexc::attention_backward writes.
 struct AttentionGrads {
   // q's, k's and v's shapes, in q's dtype; any B / H / sequence strides (16-byte aligned rows,
@@ -133,5 +144,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const AttentionGrads& grads, const Variant& variant,
                         const BackwardOptions& opts = {});
+
+// Everything flexc::attention_backward does with these arguments but enqueue (its kernels
+// compiled and loaded; no workspace taken), as prepare_attention for the forward.
+void prepare_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& out, const TensorView& lse,
+                                const TensorView& dout, const AttentionGrads& grads,
+                                const Variant& variant, const BackwardOptions& opts = {});
 
 }  // namespace flexc

@@ -70,6 +70,14 @@ struct DecodeOptions {
 void decode(const TensorView& q, const KvCache& cache, const TensorView& out,
             const Variant& variant, const DecodeOptions& opts = {});
 
+// Everything flexc::decode does with these arguments but enqueue, as flexc::prepare_attention
+// for the forward: the decode kernel for this Q_LEN x (Hq / Hkv) bucket, and the combine where
+// the call splits the keys (the split count follows B, Hkv and max_kv_len, not kv_lens), are
+// compiled and loaded. check_device_args is not run (it reads the device data). Call it before
+// capturing decode steps into a CUDA graph, once per batch size the graphs take.
+void prepare_decode(const TensorView& q, const KvCache& cache, const TensorView& out,
+                    const Variant& variant, const DecodeOptions& opts = {});
+
 // The number of KV splits decode chooses for these sizes on a GPU with `sms` multiprocessors
 // (exposed for tests and benchmarks).
 int decode_splits(int64_t batch, int64_t kv_heads, int64_t row_blocks, int64_t max_kv_len, int sms);

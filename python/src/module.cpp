@@ -587,9 +587,9 @@ PYBIND11_MODULE(_flexc, m) {
       "attention",
       [](py::handle q, py::handle k, py::handle v, py::handle out, const Variant& variant,
          const BlockMask* block_mask, const py::dict& captures,
-         const std::map<std::string, double>& params, std::optional<double> scale,
-         py::handle lse, std::optional<int64_t> stream, const std::string& kernel,
-         int64_t q_offset, int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
+         const std::map<std::string, double>& params, std::optional<double> scale, py::handle lse,
+         std::optional<int64_t> stream, const std::string& kernel, int64_t q_offset,
+         int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len, bool prepare) {
         const Stream st(stream);
         Borrowed b;
         AttentionOptions o;
@@ -603,28 +603,30 @@ PYBIND11_MODULE(_flexc, m) {
                          tv = b.view(v, "v", st.dlpack, true),
                          to = b.view(out, "out", st.dlpack, true);
         py::gil_scoped_release release;
-        flexc::attention(tq, tk, tv, to, variant, o);
+        (prepare ? flexc::prepare_attention : flexc::attention)(tq, tk, tv, to, variant, o);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("variant"), py::kw_only(),
       py::arg("block_mask") = nullptr, py::arg("captures") = py::dict(),
       py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
       py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("kernel") = "auto",
       py::arg("q_offset") = 0, py::arg("kv_offset") = 0, py::arg("seq_q_len") = 0,
-      py::arg("seq_kv_len") = 0,
+      py::arg("seq_kv_len") = 0, py::arg("prepare") = false,
       "flexc::attention on CUDA tensors: q [B, Hq, Q_LEN, D], k / v [B, Hkv, KV_LEN, D / Dv], out "
       "[B, Hq, Q_LEN, Dv] (bf16 / fp16), lse float32 [B, Hq, Q_LEN]; enqueued on `stream` (an int "
       "cudaStream_t; None: the legacy default stream). q_offset, kv_offset, seq_q_len, "
-      "seq_kv_len: positions (chunked prefill; a block of a longer sequence). docs/attention.md.");
+      "seq_kv_len: positions (chunked prefill; a block of a longer sequence). prepare=True: "
+      "flexc::prepare_attention, everything but the launch (checks, the build the call picks, "
+      "compiled and loaded; before a CUDA graph's capture). docs/attention.md.");
 
   m.def(
       "attention_backward",
-      [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-         py::handle dout, py::handle dq, py::handle dk, py::handle dv, const Variant& variant,
+      [](py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse, py::handle dout,
+         py::handle dq, py::handle dk, py::handle dv, const Variant& variant,
          const BlockMask* block_mask, const py::dict& captures, const py::dict& capture_grads,
-         const std::map<std::string, double>& params, std::optional<double> scale,
-         py::handle dlse, std::optional<int64_t> stream, std::optional<bool> deterministic,
+         const std::map<std::string, double>& params, std::optional<double> scale, py::handle dlse,
+         std::optional<int64_t> stream, std::optional<bool> deterministic,
          const std::string& kernel, const py::object& workspace, int64_t q_offset,
-         int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len) {
+         int64_t kv_offset, int64_t seq_q_len, int64_t seq_kv_len, bool prepare) {
         const Stream st(stream);
         Borrowed b;
         BackwardOptions o;
@@ -645,7 +647,8 @@ PYBIND11_MODULE(_flexc, m) {
         const TensorView tq = view(q, "q"), tk = view(k, "k"), tv = view(v, "v"),
                          to = view(out, "out"), tl = view(lse, "lse"), td = view(dout, "dout");
         py::gil_scoped_release release;
-        flexc::attention_backward(tq, tk, tv, to, tl, td, g, variant, o);
+        (prepare ? flexc::prepare_attention_backward : flexc::attention_backward)(
+            tq, tk, tv, to, tl, td, g, variant, o);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("dout"),
       py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("variant"), py::kw_only(),
@@ -654,18 +657,19 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("scale") = py::none(), py::arg("dlse") = py::none(), py::arg("stream") = py::none(),
       py::arg("deterministic") = py::none(), py::arg("kernel") = "auto",
       py::arg("workspace") = py::none(), py::arg("q_offset") = 0, py::arg("kv_offset") = 0,
-      py::arg("seq_q_len") = 0, py::arg("seq_kv_len") = 0,
+      py::arg("seq_q_len") = 0, py::arg("seq_kv_len") = 0, py::arg("prepare") = false,
       "flexc::attention_backward on CUDA tensors: writes dq, dk, dv and adds into the float32 "
       "capture_grads (docs/attention.md). workspace: a callable (bytes -> device pointer kept "
-      "valid on the stream) for the temporaries; None: flexc's pool. Positions as attention()'s.");
+      "valid on the stream) for the temporaries; None: flexc's pool. Positions as attention()'s; "
+      "prepare=True: flexc::prepare_attention_backward.");
 
   m.def(
       "decode",
       [](py::handle q, py::handle k, py::handle v, py::handle kv_lens, py::handle out,
          const Variant& variant, py::handle page_table, py::handle q_offsets,
          const py::dict& captures, const std::map<std::string, double>& params,
-         std::optional<double> scale, py::handle lse, std::optional<int64_t> stream,
-         int num_splits, int64_t max_kv_len, bool check_device_args, const py::object& workspace) {
+         std::optional<double> scale, py::handle lse, std::optional<int64_t> stream, int num_splits,
+         int64_t max_kv_len, bool check_device_args, const py::object& workspace, bool prepare) {
         const Stream st(stream);
         Borrowed b;
         const auto view = [&](py::handle x, const char* n) { return b.view(x, n, st.dlpack, true); };
@@ -684,7 +688,7 @@ PYBIND11_MODULE(_flexc, m) {
         o.workspace = workspace_from(workspace);
         const TensorView tq = view(q, "q"), to = view(out, "out");
         py::gil_scoped_release release;
-        flexc::decode(tq, cache, to, variant, o);
+        (prepare ? flexc::prepare_decode : flexc::decode)(tq, cache, to, variant, o);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_lens"), py::arg("out"),
       py::arg("variant"), py::kw_only(), py::arg("page_table") = py::none(),
@@ -692,10 +696,10 @@ PYBIND11_MODULE(_flexc, m) {
       py::arg("params") = std::map<std::string, double>{}, py::arg("scale") = py::none(),
       py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("num_splits") = 0,
       py::arg("max_kv_len") = 0, py::arg("check_device_args") = false,
-      py::arg("workspace") = py::none(),
+      py::arg("workspace") = py::none(), py::arg("prepare") = false,
       "flexc::decode on CUDA tensors: a contiguous [B, Hkv, CAP, D] or paged [PAGES, Hkv, "
       "PAGE_SIZE, D] cache with int32 kv_lens [B] (page_table [B, MAX_PAGES], q_offsets [B]) "
-      "(docs/decode.md).");
+      "(docs/decode.md). prepare=True: flexc::prepare_decode, everything but the launch.");
 
   m.def(
       "linear_attention",

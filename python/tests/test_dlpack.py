@@ -31,12 +31,16 @@ def test_kernels_refuse_host_memory_before_any_gpu_work():
     q = np.zeros((1, 2, 16, 64), np.float16)
     with pytest.raises(flexc.Error, match="q is in cpu memory; flexc's kernels take CUDA"):
         flexc.attention(q, q, q, q, noop)
+    with pytest.raises(flexc.Error, match="q is in cpu memory; flexc's kernels take CUDA"):
+        flexc.attention(q, q, q, q, noop, prepare=True)
     alibi = flexc.Variant.from_catalogue("alibi")
     with pytest.raises(flexc.Error, match=r"captures\['slope'\] is in cpu memory"):
         flexc.attention(q, q, q, q, alibi, captures={"slope": np.zeros(2, np.float32)})
     lens = np.array([16], np.int32)
     with pytest.raises(flexc.Error, match="k is in cpu memory"):
         flexc.decode(q, q, q, lens, q, noop)
+    with pytest.raises(flexc.Error, match="k is in cpu memory"):
+        flexc.decode(q, q, q, lens, q, noop, prepare=True)
     with pytest.raises(flexc.Error, match="dq is in cpu memory"):
         flexc.attention_backward(q, q, q, q, np.zeros((1, 2, 16), np.float32), q, q, q, q, noop)
 

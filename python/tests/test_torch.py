@@ -336,3 +336,49 @@ def test_backward_takes_its_workspace_from_the_callers_allocator():
     with pytest.raises(flexc.Error, match="aligned to 256 bytes"):
         flexc.attention_backward(q, k, v, out, lse, dout, *results[0], causal, stream=stream,
                                  workspace=lambda n: held[-1].data_ptr() + 8)
+
+
+def test_prepare_then_the_call_captured_in_a_cuda_graph():
+    """prepare=True does everything but the launch: the call after it captures into a torch CUDA
+    graph (no compile, module load or allocation inside the capture), and the graph's replay
+    equals the eager call on new inputs, bitwise; forward with a BlockMask, and a decode step."""
+    g = gen(5)
+    B, H, L, D = 2, 4, 700, 64
+    q, k, v = (randn(B, H, L, D, g=g) for _ in range(3))
+    window = flexc.Variant.from_catalogue("sliding_window")
+    mask = flexc.create_block_mask(window, B, H, L, L, params={"window": 100})
+    out, lse = torch.empty_like(q), torch.empty(B, H, L, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        args = dict(block_mask=mask, params={"window": 100}, lse=lse, stream=side.cuda_stream)
+        flexc.attention(q, k, v, out, window, prepare=True, **args)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            flexc.attention(q, k, v, out, window, **args)
+        for t in (q, k, v):
+            t.copy_(randn(B, H, L, D, g=g))
+        graph.replay()
+        side.synchronize()
+        got, got_lse = out.clone(), lse.clone()
+        flexc.attention(q, k, v, out, window, **args)
+        side.synchronize()
+    assert torch.equal(got, out) and torch.equal(got_lse, lse)
+
+    # A decode step over a contiguous cache, with split keys (its combine and workspace).
+    causal = flexc.Variant.from_catalogue("causal")
+    cache_k, cache_v = (randn(B, 2, 3000, D, g=g) for _ in range(2))
+    q1, out1 = randn(B, H, 1, D, g=g), torch.empty(B, H, 1, D, device="cuda", dtype=q.dtype)
+    lens = torch.tensor([2999, 1200], device="cuda", dtype=torch.int32)
+    with torch.cuda.stream(side):
+        step = dict(num_splits=4, stream=side.cuda_stream)
+        flexc.decode(q1, cache_k, cache_v, lens, out1, causal, prepare=True, **step)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            flexc.decode(q1, cache_k, cache_v, lens, out1, causal, **step)
+        lens.copy_(torch.tensor([3000, 17], dtype=torch.int32))
+        graph.replay()
+        side.synchronize()
+        got = out1.clone()
+        flexc.decode(q1, cache_k, cache_v, lens, out1, causal, **step)
+        side.synchronize()
+    assert torch.equal(got, out1)

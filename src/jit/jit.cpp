@@ -351,19 +351,21 @@ int Kernel::local_bytes() const {
   return n;
 }
 
+void Kernel::reserve_smem(size_t smem_bytes) const {
+  if (smem_bytes <= smem_limit_.load(std::memory_order_acquire)) return;
+  std::lock_guard lk(smem_mu_);
+  if (smem_bytes <= smem_limit_.load()) return;
+  const DriverApi& d = driver("raising a flexc kernel's shared memory");  // loaded: it exists
+  check(d.cuFuncSetAttribute(fn_, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                             static_cast<int>(smem_bytes)),
+        fmt::format("raising the dynamic shared memory of the {} to {} bytes", what_, smem_bytes));
+  smem_limit_.store(smem_bytes, std::memory_order_release);
+}
+
 void Kernel::launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block,
                     size_t smem_bytes, CUstream_st* stream, void** args, bool early) const {
   const DriverApi& d = driver("launching a flexc kernel");  // loaded: this kernel exists
-  if (smem_bytes > smem_limit_.load(std::memory_order_acquire)) {
-    std::lock_guard lk(smem_mu_);
-    if (smem_bytes > smem_limit_.load()) {
-      check(d.cuFuncSetAttribute(fn_, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                 static_cast<int>(smem_bytes)),
-            fmt::format("raising the dynamic shared memory of the {} to {} bytes", what_,
-                        smem_bytes));
-      smem_limit_.store(smem_bytes, std::memory_order_release);
-    }
-  }
+  reserve_smem(smem_bytes);
   CUlaunchAttribute attr{};
   attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attr.value.programmaticStreamSerializationAllowed = 1;

@@ -65,13 +65,17 @@ class Kernel {
 
   // Launches on `stream` (the caller's; nullptr = legacy default). `args` point at each kernel
   // argument, as cuLaunchKernel takes them. Raises the dynamic shared memory limit on first use
-  // when `smem_bytes` needs it. Errors name the variant and the kernel.
+  // when `smem_bytes` needs it (reserve_smem). Errors name the variant and the kernel.
   // `early`: a programmatic dependent launch (sm_90+; ignored before): the kernel may start while
   // the previous kernel in the stream runs, once all of that kernel's CTAs have executed
   // griddepcontrol.launch_dependents or exited, and must run griddepcontrol.wait before reading
   // what that kernel writes. Hides the launch of a short follow-up kernel (a combine).
   void launch(unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block, size_t smem_bytes,
               CUstream_st* stream, void** args, bool early = false) const;
+  // Raises the kernel's dynamic shared memory limit to `smem_bytes` where it is lower, as a
+  // launch would: the prepare_* calls do it ahead, so that a launch inside a CUDA graph's capture
+  // sets no attribute.
+  void reserve_smem(size_t smem_bytes) const;
   CUfunc_st* function() const { return fn_; }
   // "flexc attention_fwd kernel for variant 'alibi' (sm_90)"
   const std::string& what() const { return what_; }
