@@ -16,9 +16,10 @@
 // - the consumers, 64 q rows each: per kv tile j a consumer issues S_j = Q.K_j^T and
 //   O += P_{j-1}.V_{j-1} back to back, then runs the hooks and the online softmax of tile j while
 //   the tensor cores finish P.V (intra-warpgroup overlap). The consumers take turns issuing
-//   (round robin on named barriers), so one's softmax runs while another's products do. P never
-//   leaves registers: wgmma takes A from registers in the layout the softmax leaves it in. A tile
-//   empty for a consumer's rows (the other BlockMask row's) has its scores masked whole: P = 0.
+//   (round robin on named barriers; not at D 64 with two, kTurns), so one's softmax runs while
+//   another's products do. P never leaves registers: wgmma takes A from registers in the layout
+//   the softmax leaves it in. A tile empty for a consumer's rows (the other BlockMask row's) has
+//   its scores masked whole: P = 0.
 //
 // Compile-time configuration (from src/attention.cpp's fwd_config_sm90, which sizes the launch):
 // FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
@@ -493,10 +494,17 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // Round robin: consumer c issues its products after consumer c - 1 issued its own. Per work
   // item, the last consumer lets consumer 0 go first and skips its last hand-over, so every
   // barrier phase that is started is completed before the next item (and the CTA's exit). All
-  // visit the same tiles.
-  auto take_turn = [&] { named_sync(kTurnBarrier + cw, 256); };
+  // visit the same tiles. Not at D 64 with two consumers (the 128-row tiles of a masked call at
+  // short lengths): their products are short, and the turns cost more than they order there
+  // (+5-6% without them at causal 1k; three consumers lost 10-20% without; docs/perf.md). The
+  // stages' mbarriers keep the consumers within two tiles of each other, and a consumer whose
+  // rows are all past q_len waits for each stage's last release before its own.
+  constexpr bool kTurns = !(kD == 64 && kDv == 64 && kConsumers == 2);
+  auto take_turn = [&] {
+    if constexpr (kTurns) named_sync(kTurnBarrier + cw, 256);
+  };
   auto pass_turn = [&](bool last) {
-    if (!(cw == kConsumers - 1 && last))
+    if (kTurns && !(cw == kConsumers - 1 && last))
       named_arrive(kTurnBarrier + (cw + 1 == kConsumers ? 0 : cw + 1), 256);
   };
   // The current tile's first kv index and its kind for this consumer's rows: with three
@@ -525,16 +533,26 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 
     unsigned word = ring[(j + k) % kRing];  // the item's first tile's (kEnd: no tile)
     auto next_word = [&] { return ring[(j + 1 + k) % kRing]; };  // tile j + 1's
-    if (cw == kConsumers - 1 && word != kEnd) named_arrive(kTurnBarrier, 256);
+    if (kTurns && cw == kConsumers - 1 && word != kEnd) named_arrive(kTurnBarrier, 256);
     if (cw >= active) {
       // Rows past q_len (the last q tile's): nothing to compute, but the turns and the stages'
-      // releases go on. The turns order each release after the previous phase's.
+      // releases go on. The turns (or without them the waits below) order each release after
+      // the previous phase's.
       for (; word != kEnd; ++j) {
         const int st = j % kStages;
         mbar_wait(sm.k_full(st), (j / kStages) & 1);
         word = next_word();
         take_turn();
         pass_turn(word == kEnd);
+        if constexpr (!kTurns) {
+          // Without the turns' lockstep this consumer could release a stage again before the
+          // active one released its last use (two arrivals in one phase): it waits for that
+          // release first, as the producer and the loaders do. (K's is ordered by k_full.)
+          const unsigned last_use = ((j / kStages) & 1) ^ 1;
+          if constexpr (kStaging) mbar_wait(sm.t_empty(st), last_use);
+          if constexpr (kTileTma) mbar_wait(sm.b_empty(st), last_use);
+          mbar_wait(sm.v_empty(st), last_use);
+        }
         mbar_arrive(sm.k_empty(st));
         if constexpr (kStaging) mbar_arrive(sm.t_empty(st));
         if constexpr (kTileTma) mbar_arrive(sm.b_empty(st));
