@@ -1589,7 +1589,7 @@ TEST_CASE("the persistent Hopper kernel matches the reference over many work ite
     }
 }
 
-TEST_CASE("prepare_attention loads what the call runs; the call then compiles nothing", "[gpu]") {
+TEST_CASE("prepare_attention loads what the call runs: the call then compiles nothing", "[gpu]") {
   SKIP_WITHOUT_GPU();
   // Shapes whose builds attention() picks at run time on Hopper (docs/attention.md): wide kv
   // tiles (no BlockMask, D 128), D 64's 128-row tiles on the persistent grid (a mask, KV_LEN 1k,

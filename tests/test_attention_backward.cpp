@@ -696,7 +696,7 @@ TEST_CASE("backward: a block of a longer sequence at its positions against the r
     }
 }
 
-TEST_CASE("prepare_attention_backward loads what the call runs; the call then compiles nothing",
+TEST_CASE("prepare_attention_backward loads what the call runs: the call then compiles nothing",
           "[gpu]") {
   SKIP_WITHOUT_GPU();
   // The main kernel's choice (Hopper or portable), dq's mode (atomic or deterministic), float32
