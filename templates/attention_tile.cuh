@@ -933,6 +933,46 @@ __device__ __forceinline__ void add_row_terms(float (&inv_sum)[MT][2], float (&l
   }
 }
 
+// A warp's rows' LSEs (rows at or past q_len skipped), where p.lse is set.
+template <int MT>
+__device__ __forceinline__ void put_lse(const float (&lse)[MT][2], const FlexcAttentionParams& p,
+                                        int b, int h, int row0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (p.lse == nullptr || t != 0) return;
+  float* row_lse = p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + i * 16 + g + r * 8;
+      if (row < p.q_len) row_lse[row] = lse[i][r];
+    }
+}
+
+// store_rows's 16-bit path in two halves, for a kernel that stores one item's rows while the
+// next one computes (templates/attention_fwd_sm90.cuh, kDefer): stage_rows stages the
+// normalized rows in `tile` (the last reader of the accumulators); put_rows stores them and
+// their LSEs from there (reading no register a wgmma may write, so it may run under one).
+template <class Tile, bool BF16, int MT, int DT>
+__device__ __forceinline__ void stage_rows(const float (&acc)[MT][DT][4],
+                                           const float (&inv_sum)[MT][2], unsigned char* tile,
+                                           int tile_row) {
+  static_assert(!kF32Out, "stage_rows stages 16-bit rows");
+  stage_fragments<Tile, BF16>(
+      acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row);
+}
+template <class Tile, int MT>
+__device__ __forceinline__ void put_rows(const float (&lse)[MT][2], const unsigned char* tile,
+                                         int tile_row, const FlexcAttentionParams& p, int b, int h,
+                                         int row0) {
+  static_assert(!kF32Out, "put_rows stores 16-bit rows");
+  __syncwarp();
+  store_staged<Tile, MT * 16>(tile, tile_row,
+                              static_cast<unsigned short*>(head_rows(p.o, p.o_stride, b, h)),
+                              p.o_stride[2], row0, p.q_len);
+  put_lse(lse, p, b, h, row0);
+}
+
 // The epilogue of one warp: its normalised rows of O from q row `row0` (store_fragments), and
 // their LSE when p.lse is set. The forward's FLEXC_F32_OUT 2 build merges them instead into the
 // float32 rows O holds and their LSE in p.lse (a softmax over other keys; 0 and -inf at first):
@@ -941,15 +981,13 @@ __device__ __forceinline__ void add_row_terms(float (&inv_sum)[MT][2], float (&l
 // weighs 0, a NaN LSE makes the row NaN.
 template <class Tile, bool BF16, int MT, int DT>
 __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
-                                           const float (&inv_sum)[MT][2],
-                                           const float (&lse)[MT][2], unsigned char* tile,
-                                           int tile_row, const FlexcAttentionParams& p, int b,
-                                           int h, int row0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  float* row_lse = p.lse == nullptr
-                       ? nullptr
-                       : p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+                                           const float (&inv_sum)[MT][2], const float (&lse)[MT][2],
+                                           unsigned char* tile, int tile_row,
+                                           const FlexcAttentionParams& p, int b, int h, int row0) {
   if constexpr (kAddOut) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float* row_lse =
+        p.lse == nullptr ? nullptr : p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
     float* o = static_cast<float*>(head_rows(p.o, p.o_stride, b, h));
     float merged[MT][2];
 #pragma unroll
@@ -990,14 +1028,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
     store_fragments<Tile, BF16>(
         acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row,
         head_rows(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.q_len);
-    if (row_lse != nullptr && t == 0)
-#pragma unroll
-      for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = row0 + i * 16 + g + r * 8;
-          if (row < p.q_len) row_lse[row] = lse[i][r];
-        }
+    put_lse(lse, p, b, h, row0);
   }
 }
 
