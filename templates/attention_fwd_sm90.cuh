@@ -516,8 +516,8 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 
   // A persistent CTA stores an item's output while the next item's first Q.K^T runs (kDefer): its
   // rows wait staged in shared memory, their LSEs and the item in registers (flush stores them).
-  // At D 128: +3% at 1k and 2k; at D 64 -6% (its short Q.K^T hides less than the stores delay
-  // the first tile's softmax; docs/perf.md).
+  // At D 128: +2-4% without a mask at 1k and 2k, causal within the noise; at D 64 -6% (its short
+  // Q.K^T hides less than the stores delay the first tile's softmax; docs/perf.md).
   constexpr bool kDefer =
       kPersistent && kSeparateO && kPeelFirst && !flexc_attn::kF32Out && kD == 128 && kDv == 128;
   unsigned char* const o_smem = q_smem + (sm.o - sm.q);
