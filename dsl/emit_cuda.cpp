@@ -106,6 +106,9 @@ class BodyWriter {
   // Decides fast math's exact nodes as the hook computing `root` does (a part of it written
   // alone, the relative terms, must round as it does there).
   void exact_as_in(NodeId root) { context_ = reachable(g_, root); }
+  // Fast tanh through the hook's `tanh_form` argument (a FlexcTanh* of flexc_hooks.cuh), which
+  // the kernels choose per warp and tile.
+  void tanh_forms() { tanh_forms_ = true; }
   // Takes `id`'s value from the C++ expression `value` instead of computing it (a capture load
   // the kernel made ahead of time): nothing it reads is computed for it.
   void substitute(NodeId id, std::string value) {
@@ -398,7 +401,10 @@ class BodyWriter {
             {}, {kLn2, {}}, aux(id, 'l', fmt::format("flexc_fast_log2({})", ref(n.args[0])), out)};
         break;
       case Op::Tanh:
-        return fmt::format("{}({})", approx_ ? "flexc_approx_tanh" : "flexc_fast_tanh",
+        return fmt::format("{}({})",
+                           approx_       ? "flexc_approx_tanh"
+                           : tanh_forms_ ? "tanh_form"
+                                         : "flexc_fast_tanh",
                            render(x(0)));
       case Op::Sigmoid: {
         // 1 / (1 + e^-x): 0 once 1 + e^-x passes 2^126 (the reciprocal flushes), never NaN.
@@ -618,7 +624,7 @@ class BodyWriter {
   const Decls& decls_;
   std::string_view marker_;
   bool fast_, approx_;
-  bool plain_ = false;
+  bool plain_ = false, tanh_forms_ = false;
   std::vector<char> value_, offset_, exact_, context_, uniform_;
   std::vector<std::string> subst_;
   std::vector<Lin> lin_;
@@ -638,14 +644,29 @@ std::string hook(const char* ret, const char* name, const char* params, const st
                      params, body);
 }
 
+// score_mod's hooks take tanh's form as their last argument (flexc_hooks.cuh, "Tanh forms");
+// `uses` notes whether the body calls it.
+struct TanhForm {
+  bool* uses = nullptr;
+};
+constexpr const char* kTanhFormParam = "Tanh tanh_form = Tanh()";
+std::string form_hook(const char* ret, const char* name, const std::string& params,
+                      const std::string& body, TanhForm form) {
+  if (!form.uses) return hook(ret, name, params.c_str(), body);
+  *form.uses |= body.find("tanh_form(") != std::string::npos;
+  return "  template <class Tanh = FlexcTanh>\n" +
+         hook(ret, name, fmt::format("{}, {}", params, kTanhFormParam).c_str(), body);
+}
+
 // A function returning the value of `g.root`.
 std::string value_hook(const Graph& g, const Decls& decls, std::string_view marker, FloatMath math,
-                       const char* ret, const char* name, const char* params) {
+                       const char* ret, const char* name, const char* params, TanhForm form = {}) {
   BodyWriter w(g, decls, marker, math);
+  if (form.uses) w.tanh_forms();
   w.need_value(g.root);
   std::string body = w.write();
   body += fmt::format("    return {};\n", w.ref(g.root));
-  return hook(ret, name, params, body);
+  return form_hook(ret, name, params, body, form);
 }
 
 // Column loads: a hook's capture loads whose indices read kv_idx but neither q_idx nor the score
@@ -764,8 +785,9 @@ std::string load_offsets(const Graph& g, const Decls& decls, std::string_view ma
 // `loads` (the column loads, the tile loads, then the relative terms) read from cv[].
 std::string columns_hook(const Graph& g, const Decls& decls, std::string_view marker,
                          FloatMath math, const std::vector<NodeId>& loads, const char* ret,
-                         const char* name, const char* params) {
+                         const char* name, const char* params, TanhForm form = {}) {
   BodyWriter w(g, decls, marker, math);
+  if (form.uses) w.tanh_forms();
   // Exact where score_mod is, though the loads' and terms' own operands are not written here: a
   // value both inside a relative term (under a floor, say) and outside it is exact in both.
   w.exact_as_in(g.root);
@@ -778,7 +800,7 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
   w.need_value(g.root);
   std::string body = w.write();
   body += fmt::format("    return {};\n", w.ref(g.root));
-  return hook(ret, name, fmt::format("{}, const unsigned* cv", params).c_str(), body);
+  return form_hook(ret, name, fmt::format("{}, const unsigned* cv", params), body, form);
 }
 
 // Relative terms: the parts of score_mod that read q_idx and kv_idx only through their difference
@@ -1030,6 +1052,33 @@ std::string emit_cuda_variant(const EmitInput& in) {
     for (size_t k = 0; k < l.size(); ++k) s += fmt::format("k == {} ? {} : ", k, int(l[k].*member));
     return s + "0";
   };
+  // score_mod's hooks first: the header says whether they call tanh_form.
+  const FloatMath math = in.score_math;
+  bool tanh_forms = false;
+  const TanhForm form{&tanh_forms};
+  std::vector<NodeId> read_from_cv = score_cols;
+  read_from_cv.insert(read_from_cv.end(), tile_ids.begin(), tile_ids.end());
+  read_from_cv.insert(read_from_cv.end(), rel_terms.begin(), rel_terms.end());
+  std::string score_hooks =
+      value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams, form);
+  score_hooks +=
+      value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams, form);
+  score_hooks += columns_hook(score, decls, "score_mod", math, read_from_cv, "float",
+                              "score_mod_cols", kScoreParams, form);
+  if (split) {
+    score_hooks += value_hook(split->rest, decls, "score_mod", math, "float", "score_mod_rowless",
+                              kScoreParams, form);
+    score_hooks += columns_hook(split->rest, decls, "score_mod", math, read_from_cv, "float",
+                                "score_mod_rowless_cols", kScoreParams, form);
+  } else {
+    constexpr const char* kArgs = "a, score, b, h, q_idx, kv_idx, q_len, kv_len";
+    score_hooks += form_hook("float", "score_mod_rowless", kScoreParams,
+                             fmt::format("    return score_mod({}, tanh_form);\n", kArgs), form);
+    score_hooks += form_hook(
+        "float", "score_mod_rowless_cols", fmt::format("{}, const unsigned* cv", kScoreParams),
+        fmt::format("    return score_mod_cols({}, cv, tanh_form);\n", kArgs), form);
+  }
+
   std::string out = fmt::format(
       "// Generated by flexc from variant '{}' ({} float math in score_mod). Do not edit: flexc\n"
       "// regenerates it.\n"
@@ -1056,7 +1105,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
       "  static constexpr bool kRowless = {};\n"
       "  static constexpr bool kRowTerms = {};\n"
       "  static constexpr bool kRowlessIdentity = {};\n"
-      "  static constexpr float kRowlessUnits = {};\n\n",
+      "  static constexpr float kRowlessUnits = {};\n"
+      "  static constexpr bool kTanhForms = {};\n\n",
       sanitise(in.variant_name),
       in.score_math == FloatMath::Exact  ? "exact"
       : in.score_math == FloatMath::Fast ? "fast"
@@ -1070,39 +1120,19 @@ std::string emit_cuda_variant(const EmitInput& in) {
       split && !split->terms.empty(),
       split ? is_identity_score(split->rest, split->rest.root)
             : is_identity_score(score, score.root),
-      float_literal(split ? split->units : 1.0f));
+      float_literal(split ? split->units : 1.0f), tanh_forms);
 
-  const FloatMath math = in.score_math;
-  out += value_hook(score, decls, "score_mod", math, "float", "score_mod", kScoreParams);
+  out += score_hooks;
   out += value_hook(mask, decls, "mask_mod", FloatMath::Exact, "bool", "mask_mod", kMaskParams);
-  out += value_hook(dscore, decls, "score_mod", math, "float", "score_mod_grad", kScoreParams);
   out += column_loader(score, decls, "score_mod", score_cols, "score_columns");
   out += column_loader(mask, decls, "mask_mod", mask_cols, "mask_columns");
   out += column_loader(score, decls, "score_mod", tile_ids, "score_tiles");
   out += load_offsets(score, decls, "score_mod", tile_ids, "score_tile_offsets");
   out += rel_terms_hook(score, decls, math, rel_terms);
-  std::vector<NodeId> read_from_cv = score_cols;
-  read_from_cv.insert(read_from_cv.end(), tile_ids.begin(), tile_ids.end());
-  read_from_cv.insert(read_from_cv.end(), rel_terms.begin(), rel_terms.end());
-  out += columns_hook(score, decls, "score_mod", math, read_from_cv, "float", "score_mod_cols",
-                      kScoreParams);
   out += columns_hook(mask, decls, "mask_mod", FloatMath::Exact, mask_cols, "bool",
                       "mask_mod_cols", kMaskParams);
-  if (split) {
-    out += value_hook(split->rest, decls, "score_mod", math, "float", "score_mod_rowless",
-                      kScoreParams);
-    out += columns_hook(split->rest, decls, "score_mod", math, read_from_cv, "float",
-                        "score_mod_rowless_cols", kScoreParams);
-    out += row_terms_hook(score, decls, math, split->terms);
-  } else {
-    constexpr const char* kArgs = "a, score, b, h, q_idx, kv_idx, q_len, kv_len";
-    out += hook("float", "score_mod_rowless", kScoreParams,
-                fmt::format("    return score_mod({});\n", kArgs));
-    out += hook("float", "score_mod_rowless_cols",
-                fmt::format("{}, const unsigned* cv", kScoreParams).c_str(),
-                fmt::format("    return score_mod_cols({}, cv);\n", kArgs));
-    out += hook("float", "row_terms", kRowParams, "    return base;\n");
-  }
+  out += split ? row_terms_hook(score, decls, math, split->terms)
+               : hook("float", "row_terms", kRowParams, "    return base;\n");
 
   BodyWriter w(cg, decls, "score_mod", math);
   for (const LoadDerivative& ld : loads) {

@@ -655,42 +655,58 @@ struct ScoreTile {
       int col0, bool partial, const Columns* cols = nullptr, bool empty = false) {
     // (The derivative where the rowless score is the identity: `score * 0.5`'s.)
     if constexpr (!kIdentityScore || (GRAD && !FlexcVariant::kScoreGradIsOne)) {
-      for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool) {
-        const float x = s[i][j][e] * p.scale;
-        if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne)
-          grad[i][j][e] =
-              FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                           hook_kv_len(p));
-        if constexpr (kIdentityScore) return;
-        // (Column loads are read from cols only where someone staged them.)
-        if constexpr (kScoreWords > 0 && (kScoreCols == 0 || kStagedCols)) {
-          if (cols) {
-            unsigned cv[kScoreWords > 0 ? kScoreWords : 1];
-#pragma unroll
-            for (int k = 0; k < kScoreCols; ++k) cv[k] = staged_word(cols->staged, k, j, e);
-#pragma unroll
-            for (int k = 0; k < kScoreTiles; ++k)
-              cv[kScoreCols + k] = unpack(FlexcVariant::score_tile_type(k),
-                                          cols->tile[i][e >> 1][j][k], e & 1);
-#pragma unroll
-            for (int k = 0; k < kRelTerms; ++k)
-              cv[kScoreCols + kScoreTiles + k] =
-                  cols->rel[k * kRelStride + 8 * j + (e & 1) - 16 * i - 8 * (e >> 1)];
-            s[i][j][e] =
-                kRowsApart ? kScoreUnits * FlexcVariant::score_mod_rowless_cols(
-                                               args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                               hook_kv_len(p), cv)
-                           : FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx,
-                                                          hook_q_len(p), hook_kv_len(p), cv);
-            return;
+      // score_mod with tanh in `form` (flexc_hooks.cuh, "Tanh forms"), which writes the scores
+      // unless it only notes tanh's arguments (FlexcTanhBound).
+      const auto mods = [&](auto form) {
+        constexpr bool kPut = decltype(form)::kValue;
+        for_each(idx, [&](int i, int j, int e, int h, int q_idx, int kv_idx, bool) {
+          const float x = s[i][j][e] * p.scale;
+          if constexpr (GRAD && !FlexcVariant::kScoreGradIsOne) {
+            const float g = FlexcVariant::score_mod_grad(args, x, b, h, q_idx, kv_idx,
+                                                         hook_q_len(p), hook_kv_len(p), form);
+            if constexpr (kPut) grad[i][j][e] = g;
           }
-        }
-        s[i][j][e] = kRowsApart ? kScoreUnits * FlexcVariant::score_mod_rowless(
-                                                    args, x, b, h, q_idx, kv_idx, hook_q_len(p),
-                                                    hook_kv_len(p))
-                                : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx,
-                                                          hook_q_len(p), hook_kv_len(p));
-      });
+          const auto value = [&]() -> float {
+            // (Column loads are read from cols only where someone staged them.)
+            if constexpr (kScoreWords > 0 && (kScoreCols == 0 || kStagedCols)) {
+              if (cols) {
+                unsigned cv[kScoreWords > 0 ? kScoreWords : 1];
+#pragma unroll
+                for (int k = 0; k < kScoreCols; ++k) cv[k] = staged_word(cols->staged, k, j, e);
+#pragma unroll
+                for (int k = 0; k < kScoreTiles; ++k)
+                  cv[kScoreCols + k] =
+                      unpack(FlexcVariant::score_tile_type(k), cols->tile[i][e >> 1][j][k], e & 1);
+#pragma unroll
+                for (int k = 0; k < kRelTerms; ++k)
+                  cv[kScoreCols + kScoreTiles + k] =
+                      cols->rel[k * kRelStride + 8 * j + (e & 1) - 16 * i - 8 * (e >> 1)];
+                return kRowsApart
+                           ? kScoreUnits * FlexcVariant::score_mod_rowless_cols(
+                                               args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                               hook_kv_len(p), cv, form)
+                           : FlexcVariant::score_mod_cols(args, x, b, h, q_idx, kv_idx,
+                                                          hook_q_len(p), hook_kv_len(p), cv, form);
+              }
+            }
+            return kRowsApart ? kScoreUnits * FlexcVariant::score_mod_rowless(args, x, b, h, q_idx,
+                                                                              kv_idx, hook_q_len(p),
+                                                                              hook_kv_len(p), form)
+                              : FlexcVariant::score_mod(args, x, b, h, q_idx, kv_idx, hook_q_len(p),
+                                                        hook_kv_len(p), form);
+          };
+          if constexpr (!kIdentityScore) {
+            const float v = value();
+            if constexpr (kPut) s[i][j][e] = v;
+          }
+        });
+      };
+      // A pass for the bound, then one in the form it allows. Not where registers are TIGHT:
+      // two forms of the pass spilled there (docs/perf.md, "tanh by tile").
+      if constexpr (FlexcVariant::kTanhForms && !TIGHT)
+        flexc_tanh_forms(mods);
+      else
+        mods(FlexcTanh{});
     }
     // Where registers are TIGHT, the mask and the edge read the columns again, computed anew from
     // a col0 the compiler cannot see through: a score_mod reading kv_idx would otherwise keep

@@ -77,13 +77,20 @@
 //   __device__ static float score_mod_rowless_cols(/* score_mod_cols' parameters */);
 //   __device__ static float row_terms(const FlexcArgs& a, float base, int b, int h, int q_idx,
 //                                     int kv_idx, int q_len, int kv_len);
+//   // Tanh forms (kTanhForms; fast precision): score_mod, score_mod_grad and their _cols /
+//   // _rowless forms are templates taking one more argument, `Tanh tanh_form = FlexcTanh()`,
+//   // through which they compute tanh (below): a kernel may evaluate a tile's scores once with
+//   // FlexcTanhBound to find its largest |tanh argument|, then with FlexcTanhSmall where no lane
+//   // of the warp reaches 0.6, else with FlexcTanh (flexc_tanh_forms). Both give tanhf's bits.
+//   static constexpr bool kTanhForms;  // some score hook calls tanh_form
 // };
 //
 // Hook inputs: kernels call the hooks only with b in [0, B), h in [0, H) (query heads), q_idx in
 // [0, q_len) and kv_idx in [0, kv_len), the sequence's lengths (the call's, or those of the
-// sequence a call computes a block of), to which the captures' symbolic dims resolve. A kernel computing scores past the lengths (edge tiles) passes indices clamped into
-// range and discards those scores. The emitter relies on it: an index that is exactly the input
-// its dim measures (`slope[h]` with dim H, `doc[kv_idx]` with KV_LEN) is used without wrapping.
+// sequence a call computes a block of), to which the captures' symbolic dims resolve. A kernel
+// computing scores past the lengths (edge tiles) passes indices clamped into range and discards
+// those scores. The emitter relies on it: an index that is exactly the input its dim measures
+// (`slope[h]` with dim H, `doc[kv_idx]` with KV_LEN) is used without wrapping.
 #pragma once
 
 #define FLEXC_MAX_CAPTURES 8
@@ -236,11 +243,54 @@ __device__ __forceinline__ float flexc_fast_sin(float x) { return sinf(x); }
 __device__ __forceinline__ float flexc_fast_cos(float x) { return cosf(x); }
 __device__ __forceinline__ float flexc_fast_div(float a, float b) { return a / b; }
 #endif
-// CUDA's tanhf: branch-free already (a polynomial below 0.55, 1 - 2 / (1 + e^2x) on ex2 / rcp
-// .approx above), and relative near 0, where a softcap's scores mostly are: the exponential
-// form alone (2^-22 absolute there) moved a softcap's LSE past the tolerance rule at short KV
-// lengths (docs/perf.md, "Tried: cheaper tanh forms").
+// CUDA's tanhf computes both of its forms for every x and selects: an odd polynomial below 0.6
+// (relative, where a softcap's scores mostly are; the exponential form alone moved a softcap's
+// LSE past the tolerance rule, docs/perf.md "Tried: cheaper tanh forms") and 1 - 2 / (1 + e^2x)
+// on ex2 / rcp .approx beyond.
 __device__ __forceinline__ float flexc_fast_tanh(float x) { return tanhf(x); }
+// The tanh forms of the score hooks (FlexcVariant::kTanhForms). Branching per score between
+// tanhf's two forms cost 25-45% (ptxas then schedules each score alone), so a kernel decides per
+// warp and tile: the polynomial alone, written as tanhf's own instructions (the same bits), where
+// every argument is below 0.6; tanhf, both forms, otherwise (docs/perf.md, "tanh by tile").
+struct FlexcTanh {
+  static constexpr bool kValue = true;
+  __device__ __forceinline__ float operator()(float x) const { return flexc_fast_tanh(x); }
+};
+struct FlexcTanhSmall {
+  static constexpr bool kValue = true;
+  __device__ __forceinline__ float operator()(float x) const {
+    const float s = __fmul_rn(x, x);
+    float r = __fmaf_rn(__uint_as_float(0x3C80F082u), s, __uint_as_float(0xBD563CAEu));
+    r = __fmaf_rn(r, s, __uint_as_float(0x3E085941u));
+    r = __fmaf_rn(r, s, __uint_as_float(0xBEAAA9EDu));
+    r = __fmaf_rn(r, s, 0.0f);
+    return __fmaf_rn(r, x, x);
+  }
+};
+// Notes the largest |x| in `bound`; the hook's value is then meaningless (a kernel discards it).
+struct FlexcTanhBound {
+  static constexpr bool kValue = false;
+  float& bound;
+  __device__ __forceinline__ float operator()(float x) const {
+    bound = fmaxf(bound, fabsf(x));
+    return x;
+  }
+};
+#ifdef __CUDA_ARCH__
+// mods(form) evaluates the hooks with tanh in `form`, and keeps their values where
+// decltype(form)::kValue: once with FlexcTanhBound, then with FlexcTanhSmall where no lane of the
+// warp met an argument of 0.6 or more (NaN takes the polynomial too, as in tanhf), else with
+// FlexcTanh.
+template <class Mods>
+__device__ __forceinline__ void flexc_tanh_forms(Mods mods) {
+  float bound = 0.0f;
+  mods(FlexcTanhBound{bound});
+  if (__all_sync(__activemask(), bound < 0.6f))
+    mods(FlexcTanhSmall{});
+  else
+    mods(FlexcTanh{});
+}
+#endif
 // Precision::Approx's tanh: one MUFU operation, 2^-11 relative (FlashAttention-3's softcap).
 #ifdef __CUDA_ARCH__
 __device__ __forceinline__ float flexc_approx_tanh(float x) {

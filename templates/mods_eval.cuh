@@ -2,6 +2,7 @@
 // the generated code with the CPU interpreter. The points are every (b, h, q, kv) in
 // [0, B) x [0, H) x [q0, q0 + nq) x [kv0, kv0 + nkv); point i = ((b * H + h) * nq + (q - q0)) *
 // nkv + (kv - kv0) reads score_in[i] and writes score_mod, score_mod_grad and mask_mod at i.
+// tanh takes the form the attention kernels would give it (one per warp here).
 // accumulate_capture_grads adds grad_score * d score_mod / d capture into the captures' `grad`.
 // The caller keeps the points within the hooks' contract (flexc_hooks.cuh): [q0, q0 + nq) inside
 // [0, q_len), [kv0, kv0 + nkv) inside [0, kv_len).
@@ -24,8 +25,16 @@ extern "C" __global__ void flexc_mods_eval(FlexcArgs a, int B, int H, int q0, in
     const int h = static_cast<int>(r % H);
     const int b = static_cast<int>(r / H);
     const float s = score_in[i];
-    score_out[i] = FlexcVariant::score_mod(a, s, b, h, q, kv, q_len, kv_len);
-    grad_out[i] = FlexcVariant::score_mod_grad(a, s, b, h, q, kv, q_len, kv_len);
+    const auto mods = [&](auto form) {
+      const float score = FlexcVariant::score_mod(a, s, b, h, q, kv, q_len, kv_len, form);
+      const float grad = FlexcVariant::score_mod_grad(a, s, b, h, q, kv, q_len, kv_len, form);
+      if constexpr (decltype(form)::kValue) score_out[i] = score, grad_out[i] = grad;
+    };
+    // tanh's form as the attention kernels choose it (flexc_hooks.cuh), per warp of points.
+    if constexpr (FlexcVariant::kTanhForms)
+      flexc_tanh_forms(mods);
+    else
+      mods(FlexcTanh{});
     mask_out[i] = FlexcVariant::mask_mod(a, b, h, q, kv, q_len, kv_len) ? 1 : 0;
     FlexcGradSink<FlexcVariant::kCaptureGradLoads> grads;
     FlexcVariant::accumulate_capture_grads(a, grads, grad_score, s, b, h, q, kv, q_len, kv_len);

@@ -365,7 +365,7 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
     CHECK_FALSE(has(hook_body(exact, hook), "flexc_fast_"));
     CHECK(has(hook_body(exact, hook), "tanhf("));
     CHECK(has(hook_body(fast, hook), "const float k0 = flexc_fast_rcp(t0);"));
-    CHECK(has(hook_body(fast, hook), "= flexc_fast_tanh(k0 * score);"));
+    CHECK(has(hook_body(fast, hook), "= tanh_form(k0 * score);"));
     CHECK_FALSE(has(hook_body(fast, hook), "flexc_fast_div"));
     CHECK_FALSE(has(hook_body(fast, hook), "__fdiv_rn"));
     CHECK_FALSE(has(hook_body(fast, hook), "__fmul_rn"));
@@ -385,6 +385,20 @@ TEST_CASE("fast float math: approximate instructions, exact where a value decide
     CHECK(has(hook_body(approx, hook), "= flexc_approx_tanh(k0 * score);"));
     CHECK_FALSE(has(hook_body(approx, hook), "flexc_fast_tanh"));
   }
+  // Tanh forms (flexc_hooks.cuh): the kernels choose fast tanh's form per tile, so fast's score
+  // hooks take it as an argument; exact's and approx's write their tanh, and say so.
+  CHECK(has(fast, "kTanhForms = true;"));
+  CHECK(has(exact, "kTanhForms = false;"));
+  CHECK(has(approx, "kTanhForms = false;"));
+  for (const char* hook : {"score_mod", "score_mod_grad", "score_mod_cols", "score_mod_rowless",
+                           "score_mod_rowless_cols"})
+    for (const std::string* h : {&exact, &fast, &approx}) {
+      INFO(hook << " in\n" << *h);
+      CHECK(has(*h, fmt::format("template <class Tanh = FlexcTanh>\n  __device__ static "
+                                "__forceinline__ float {}(",
+                                hook)));
+    }
+  CHECK_FALSE(has(emit_fast(parse("score * sigmoid(score)", "true")), "kTanhForms = true;"));
 
   const Parsed each = parse(
       "exp(score) + exp2(score) + log(score) + log2(score) + sqrt(score) + rsqrt(score) + "
@@ -484,6 +498,7 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline int __float2int_rz(float x) {
   if (std::isnan(x)) return 0;
   if (x >= 2147483648.0f) return INT_MAX;
@@ -801,6 +816,46 @@ TEST_CASE("generated hooks compute what the interpreter computes (host build)", 
       else
         CHECK(g == want);
     }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("fast tanh's forms: tanhf's polynomial below 0.6, and the bound (host build)", "[emit]") {
+  // FlexcTanhSmall is tanhf's polynomial branch (the GPU test "fast tanh is tanhf's bits in
+  // either form a warp takes" checks the bits); here its accuracy below 0.6 against float64, and
+  // FlexcTanhBound through a softcap's hooks: the largest |score / cap| over the calls.
+  Decls d;
+  d.params.push_back({"cap", Type::Float, 0, false});
+  const Parsed softcap = parse("cap * tanh(score / cap)", "true", d);
+  const fs::path dir = fs::temp_directory_path() / fmt::format("flexc_tanh_{}", getpid());
+  fs::create_directories(dir);
+  std::ofstream(dir / "v.cuh") << emit_fast(softcap);
+  std::string prog =
+      std::string(kShim) +
+      "#include \"" FLEXC_SOURCE_DIR
+      "/templates/flexc_hooks.cuh\"\n"
+      "#include \"v.cuh\"\n"
+      "int main() {\n"
+      "  double worst = 0;\n"
+      "  for (int i = -(1 << 20); i < (1 << 20); ++i) {\n"
+      "    const float x = std::nextafter(0.6f, 0.0f) * (i + 0.5f) / (1 << 20);\n"
+      "    const double t = std::tanh((double)x);\n"
+      "    worst = std::max(worst, std::abs(FlexcTanhSmall{}(x) - t) / std::abs(t));\n"
+      "  }\n"
+      "  FlexcArgs a{};\n"
+      "  a.fparam[0] = 7.5f;\n"
+      "  float bound = 0.0f;\n"
+      "  const float scores[] = {1.0f, -30.0f, 4.0f};\n"
+      "  for (float s : scores)\n"
+      "    FlexcVariant::score_mod(a, s, 0, 0, 1, 2, 3, 4, FlexcTanhBound{bound});\n"
+      "  std::printf(\"%a %a\\n\", worst, bound);\n"
+      "}\n";
+  run_host_program(dir, prog, "");
+  std::ifstream out(dir / "out.txt");
+  std::string worst, bound;
+  out >> worst >> bound;
+  INFO("relative error " << worst << ", bound " << bound);
+  CHECK(std::strtod(worst.c_str(), nullptr) <= 0x1p-22);
+  CHECK(std::strtod(bound.c_str(), nullptr) == static_cast<double>(30.0f * (1.0f / 7.5f)));
   fs::remove_all(dir);
 }
 

@@ -1258,6 +1258,45 @@ TEST_CASE("fast float math stays within the error docs/dsl.md states for each fu
   CHECK(most <= 1.0f);
 }
 
+TEST_CASE("fast tanh is tanhf's bits in either form a warp takes", "[gpu]") {
+  if (!gpu_available()) {
+    WARN("no GPU: skipped");
+    return;
+  }
+  // mods_eval gives tanh the form the attention kernels give a tile (flexc_hooks.cuh, "Tanh
+  // forms"), per warp of 32 points: tanhf's polynomial alone where every |x| < 0.6, tanhf
+  // otherwise. Exact precision writes tanhf itself, so the two agree bit for bit, whichever form
+  // a warp took: warps all below 0.6, below but for one lane, beyond, and with NaN, -0 and the
+  // last floats below 0.6 (the polynomial's) and at it (the exponential form's).
+  const Variant fast = Variant::from_strings("tanh(score)", "true", {}, {}, "tanh_forms");
+  const Variant exact = fast.with_precision(Precision::Exact);
+  REQUIRE(fast.precision() == Precision::Fast);
+  const float below = std::nextafter(0.6f, 0.0f);
+  const float special[] = {
+      std::numeric_limits<float>::quiet_NaN(), -0.0f, below, -below, 0.6f, -0.6f};
+  std::vector<float> x;
+  for (int w = 0; w < 4096; ++w)
+    for (int l = 0; l < 32; ++l) {
+      float v = std::uniform_real_distribution<float>(-below, below)(rng());
+      if (w % 4 == 1 && l == w / 4 % 32) v = (w & 8 ? 1.0f : -1.0f) * (0.6f + (w % 64) / 16.0f);
+      if (w % 4 == 2) v = std::uniform_real_distribution<float>(-20.0f, 20.0f)(rng());
+      if (w % 4 == 3 && l < 4) v = special[l];
+      if (w % 4 == 3 && l == 4 && w % 8 == 7) v = special[4 + (w / 8) % 2];
+      x.push_back(v);
+    }
+  const std::vector<float> got = score_mod_on_gpu(fast, x), want = score_mod_on_gpu(exact, x);
+  int differ = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const bool same = std::isnan(want[i])
+                          ? std::isnan(got[i])
+                          : std::bit_cast<unsigned>(got[i]) == std::bit_cast<unsigned>(want[i]);
+    if (!same && differ++ < 8)
+      WARN(fmt::format("tanh({:a}): fast {:a}, tanhf {:a} (warp {})", x[i], got[i], want[i],
+                       i / 32));
+  }
+  CHECK(differ == 0);
+}
+
 TEST_CASE("load_kernels compiles and loads ahead of the first call", "[gpu]") {
   if (!gpu_available()) {
     WARN("no GPU: skipped");
