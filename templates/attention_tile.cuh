@@ -703,10 +703,7 @@ struct ScoreTile {
       };
       // A pass for the bound, then one in the form it allows. Not where registers are TIGHT:
       // two forms of the pass spilled there (docs/perf.md, "tanh by tile").
-      if constexpr (FlexcVariant::kTanhForms && !TIGHT)
-        flexc_tanh_forms(mods);
-      else
-        mods(FlexcTanh{});
+      flexc_tanh_forms<FlexcVariant::kTanhForms && !TIGHT>(mods);
     }
     // Where registers are TIGHT, the mask and the edge read the columns again, computed anew from
     // a col0 the compiler cannot see through: a score_mod reading kv_idx would otherwise keep

@@ -278,17 +278,21 @@ struct FlexcTanhBound {
 };
 #ifdef __CUDA_ARCH__
 // mods(form) evaluates the hooks with tanh in `form`, and keeps their values where
-// decltype(form)::kValue: once with FlexcTanhBound, then with FlexcTanhSmall where no lane of the
-// warp met an argument of 0.6 or more (NaN takes the polynomial too, as in tanhf), else with
-// FlexcTanh.
-template <class Mods>
+// decltype(form)::kValue. With CHOOSE (a variant's kTanhForms, where the kernel takes them): once
+// with FlexcTanhBound, then with FlexcTanhSmall where no lane of the warp met an argument of 0.6
+// or more (NaN takes the polynomial too, as in tanhf), else with FlexcTanh; without, FlexcTanh.
+template <bool CHOOSE, class Mods>
 __device__ __forceinline__ void flexc_tanh_forms(Mods mods) {
-  float bound = 0.0f;
-  mods(FlexcTanhBound{bound});
-  if (__all_sync(__activemask(), bound < 0.6f))
-    mods(FlexcTanhSmall{});
-  else
+  if constexpr (CHOOSE) {
+    float bound = 0.0f;
+    mods(FlexcTanhBound{bound});
+    if (__all_sync(__activemask(), bound < 0.6f))
+      mods(FlexcTanhSmall{});
+    else
+      mods(FlexcTanh{});
+  } else {
     mods(FlexcTanh{});
+  }
 }
 #endif
 // Precision::Approx's tanh: one MUFU operation, 2^-11 relative (FlashAttention-3's softcap).

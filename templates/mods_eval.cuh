@@ -31,10 +31,7 @@ extern "C" __global__ void flexc_mods_eval(FlexcArgs a, int B, int H, int q0, in
       if constexpr (decltype(form)::kValue) score_out[i] = score, grad_out[i] = grad;
     };
     // tanh's form as the attention kernels choose it (flexc_hooks.cuh), per warp of points.
-    if constexpr (FlexcVariant::kTanhForms)
-      flexc_tanh_forms(mods);
-    else
-      mods(FlexcTanh{});
+    flexc_tanh_forms<FlexcVariant::kTanhForms>(mods);
     mask_out[i] = FlexcVariant::mask_mod(a, b, h, q, kv, q_len, kv_len) ? 1 : 0;
     FlexcGradSink<FlexcVariant::kCaptureGradLoads> grads;
     FlexcVariant::accumulate_capture_grads(a, grads, grad_score, s, b, h, q, kv, q_len, kv_len);
