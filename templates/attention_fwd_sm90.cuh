@@ -60,10 +60,12 @@ constexpr bool kWide = kBlockN != 64 && kBlockN != 128;
 constexpr int kQChunks =
     kWide && !flexc_attn::kIdentityScore && FLEXC_Q_REGS > 4 ? 4 : FLEXC_Q_REGS;
 constexpr bool kQRegs = kQChunks > 0;
-// The item's first tile (no P.V to overlap) is peeled from the mainloop, except beside wide kv
-// tiles and a score_mod other than the identity: there the hooks inlined twice cost more compile
-// time than the peel saves (docs/perf.md, "One mainloop for the first tile").
-constexpr bool kPeelFirst = !(kWide && !flexc_attn::kIdentityScore);
+// The item's first tile (no P.V to overlap) is peeled from the mainloop, except beside a score_mod
+// other than the identity in a grid of one CTA per item (long rows): there the hooks inlined twice
+// cost a quarter of the compile time, and the loop's P.V of zeros per item 1-2% of the products;
+// a persistent grid's short items keep the peel (docs/perf.md, "One mainloop ... beside any
+// score_mod").
+constexpr bool kPeelFirst = flexc_attn::kIdentityScore || kPersistent;
 constexpr int kQFragments = kQRegs ? kQChunks : 1;  // (an array's size)
 static_assert(kQChunks >= 0 && kQChunks <= kD / 16, "at most all of Q's chunks");
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");

@@ -6,12 +6,14 @@
 // rel_bias_dbias (a [H, 256] table indexed by the clamped relative position). With --gallery
 // tools/gallery.json, the gallery's variants instead (issue 11's broader sample: transcendental
 // score_mods, learned biases, integer-heavy mods, capture-based and 2-D masks, combinations), at S
-// = 8k and 16k, D = 64 and 128, with the same shape rule. With --head-dims, the other head dims
-// instead: noop and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, and noop_dv128 /
-// causal_dv128 with q / k head dim 192 and v's 128 (MLA's shapes), 16k tokens per batch, H = 16.
+// = 8k and 16k (or --seqs), D = 64 and 128, with the same shape rule. With --head-dims, the other
+// head dims instead: noop and causal at S = 4k and 16k, softcap at 16k, D = 96, 192 and 256, and
+// noop_dv128 / causal_dv128 with q / k head dim 192 and v's 128 (MLA's shapes), 16k tokens per
+// batch, H = 16.
 //
 //   bench_attention [--cases noop,causal,...] [--gallery FILE | --head-dims] [--reps 20]
-//                   [--seqs 1024,2048,4096]  (S of noop and causal; default 1k, 4k, 16k)
+//                   [--seqs 1024,2048,4096]  (S of noop and causal, default 1k, 4k, 16k; or the
+//                   gallery's)
 //                   [--dtype bf16|fp16]
 //                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact,approx]
 //                   [--json]
@@ -104,8 +106,9 @@ std::vector<Case> head_dim_cases() {
 }
 
 // The gallery (tools/gallery.json): each entry a variant config plus its fills and its torch
-// form (for tools/bench_peers.py), run at S = 8k and 16k, D = 64 and 128.
-std::vector<Case> gallery_cases(const std::string& path) {
+// form (for tools/bench_peers.py), run at the lengths seqs (8k and 16k unless --seqs), D = 64 and
+// 128.
+std::vector<Case> gallery_cases(const std::string& path, const std::vector<int64_t>& seqs) {
   std::ifstream in(path);
   if (!in) throw Error(fmt::format("--gallery {}: cannot read it", path));
   const nlohmann::json g = nlohmann::json::parse(in, nullptr, true, true);
@@ -117,7 +120,7 @@ std::vector<Case> gallery_cases(const std::string& path) {
     const Variant v = Variant::from_json(config.dump(), fmt::format("{}: {}", path, e.at("name")));
     const auto fills = e.value("fills", std::map<std::string, std::string>{});
     for (int64_t d : {64, 128})
-      for (int64_t s : {8192, 16384}) cases.push_back({v.name(), s, d, v, fills});
+      for (int64_t s : seqs) cases.push_back({v.name(), s, d, v, fills});
   }
   return cases;
 }
@@ -174,18 +177,21 @@ int main(int argc, char** argv) {
   std::vector<int64_t> seqs{1024, 4096, 16384};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--gallery", gallery,
-                 "run the variants of this gallery (tools/gallery.json) at S = 8k / 16k, D = 64 / "
-                 "128 instead of the anchors' cases");
+                 "run the variants of this gallery (tools/gallery.json) at S = 8k / 16k (or "
+                 "--seqs), D = 64 / 128 instead of the anchors' cases");
   app.add_flag("--head-dims", head_dims,
                "run noop, causal and softcap at D = 96, 192 and 256 (H = 16) instead");
   app.add_option("--seqs", seqs,
-                 "sequence lengths of the noop and causal cases, comma-separated divisors of 16384 "
-                 "(B = 16384 / S)")
+                 "sequence lengths of the noop and causal cases (or of the gallery's), "
+                 "comma-separated divisors of 16384 (B = 16384 / S)")
       ->delimiter(',')
-      ->check(CLI::Range(int64_t(1), kTokens) &
-              CLI::Validator([](std::string& v) {
-                return kTokens % std::stoll(v) == 0 ? "" : v + " does not divide 16384";
-              }, "divisor of 16384"));
+      ->check(CLI::Range(int64_t(1), kTokens) & CLI::Validator(
+                                                    [](std::string& v) {
+                                                      return kTokens % std::stoll(v) == 0
+                                                                 ? ""
+                                                                 : v + " does not divide 16384";
+                                                    },
+                                                    "divisor of 16384"));
   app.add_option("--kernel", kernel_names,
                  "kernels to time (forward, or backward with --backward), comma-separated: auto, "
                  "portable, hopper")
@@ -222,7 +228,9 @@ int main(int argc, char** argv) {
     fmt::print(
         "| case | kernel | S | D | B | H | density | ms | TFLOP/s |\n"
         "|---|---|---|---|---|---|---|---|---|\n");
-    const std::vector<Case> cases = !gallery.empty() ? gallery_cases(gallery)
+    const std::vector<int64_t> gallery_seqs =
+        app.count("--seqs") ? seqs : std::vector<int64_t>{8192, 16384};
+    const std::vector<Case> cases = !gallery.empty() ? gallery_cases(gallery, gallery_seqs)
                                     : head_dims      ? head_dim_cases()
                                                      : all_cases(backward, seqs);
     for (const Case& c : cases) {

@@ -155,7 +155,7 @@ def copy_gbs(reps, **timing):
     return 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
 
 
-def cases(backward, gallery, head_dims=False, seqs=(1024, 4096, 16384)):
+def cases(backward, gallery, head_dims=False, seqs=None):
     if head_dims:
         for d in (96, 192, 256):
             for s in (4096, 16384):
@@ -169,11 +169,11 @@ def cases(backward, gallery, head_dims=False, seqs=(1024, 4096, 16384)):
     if gallery:
         for entry in gallery:
             for d in (64, 128):
-                for s in (8192, 16384):
+                for s in seqs or (8192, 16384):
                     yield entry["name"], s, d
         return
     for d in (64, 128):
-        for s in seqs:
+        for s in seqs or (1024, 4096, 16384):
             for name in ("noop", "causal"):
                 yield name, s, d
     for name in ("alibi", "softcap", "sliding_window", "prefix_lm", "document", "t5_bias"):
@@ -257,9 +257,8 @@ def main():
     ap.add_argument("--head-dims", action="store_true",
                     help="run noop, causal and softcap at D = 96, 192, 256 (H = 16) instead")
     ap.add_argument("--seqs", type=lambda t: tuple(int(x) for x in t.split(",")),
-                    default=(1024, 4096, 16384),
-                    help="sequence lengths of noop and causal, comma-separated (bench_attention "
-                         "--seqs)")
+                    help="sequence lengths of noop and causal (default 1k, 4k, 16k) or of the "
+                         "gallery's (default 8k, 16k), comma-separated (bench_attention --seqs)")
     args = ap.parse_args()
     gallery = json.load(open(args.gallery))["variants"] if args.gallery else None
     ours = run_flexc(args.flexc) if args.flexc else {}
