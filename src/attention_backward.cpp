@@ -1,5 +1,6 @@
-// flexc::attention_backward: validation, workspace, launch of templates/attention_bwd.cuh (its
-// three entries: prep, the main kernel, dq).
+// flexc::attention_backward: validation, workspace, launch of the main kernel
+// (templates/attention_bwd.cuh or attention_bwd_sm90.cuh) between the per-row kernels of
+// templates/attention_bwd_rows.cuh (prep, then dq or the deterministic build's dq_rows).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -104,6 +105,18 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
 
 }  // namespace
 
+KernelSpec attention_bwd_rows_spec(const KernelConfig& cfg) {
+  check_dtype("attention_bwd_rows", cfg);
+  check_one_head_dim("attention_bwd_rows", cfg);
+  detail::bwd_config(cfg.head_dim);  // the head dims the backward takes
+  KernelSpec spec{"attention_bwd_rows.cuh",
+                  "flexc_attention_bwd_prep",
+                  {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
+                   {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"}},
+                  cfg.arch};
+  add_build_defines(cfg, spec.defines);
+  return spec;
+}
 KernelSpec attention_bwd_spec(const KernelConfig& cfg) { return bwd_spec(cfg, false); }
 KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg) {
   return bwd_spec(cfg, true);
@@ -232,8 +245,9 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
     fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
                      dev.major, dev.minor));
 
-  // The Hopper main kernel where it runs and takes the call; prep and dq always come from the
-  // portable template's compile.
+  // The Hopper main kernel where it runs and takes the call; prep and dq from the per-row unit
+  // (no hook: it compiles in a fraction of the time, once for every variant), dq_rows from the
+  // portable template's deterministic build.
   const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);
   // dq's mode: the faster one for the kernel unless the caller chose (docs/perf.md).
   const bool deterministic = opts.deterministic.value_or(!hopper);
@@ -246,15 +260,13 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
   kc.positions = pos.need_kernel(q_len, kv_len, false);
   kc.f32_out = grads_f32, kc.accumulate = opts.accumulate;
-  const jit::KernelSpec portable_spec = deterministic
-                                            ? jit::attention_bwd_deterministic_spec(kc)
-                                            : jit::attention_bwd_spec(kc);
   const jit::KernelSpec main_spec =
-      !hopper               ? portable_spec
-      : deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
-                           : jit::attention_bwd_sm90_spec(kc);
-  jit::KernelSpec prep_spec = portable_spec, dq_spec = portable_spec;
-  prep_spec.entry = "flexc_attention_bwd_prep";
+      hopper ? (deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
+                              : jit::attention_bwd_sm90_spec(kc))
+             : (deterministic ? jit::attention_bwd_deterministic_spec(kc)
+                              : jit::attention_bwd_spec(kc));
+  const jit::KernelSpec prep_spec = jit::attention_bwd_rows_spec(kc);
+  jit::KernelSpec dq_spec = deterministic ? jit::attention_bwd_deterministic_spec(kc) : prep_spec;
   dq_spec.entry = deterministic ? "flexc_attention_bwd_dq_rows" : "flexc_attention_bwd_dq";
   const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
   const std::vector<const jit::Kernel*> kernels = jit::get_kernels(variant, specs);

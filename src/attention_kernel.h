@@ -1,7 +1,8 @@
 // The attention kernels' compile-time configurations, chosen per head dim, and their KernelSpecs
 // for the JIT: templates/attention_fwd.cuh (portable, mma.sync, sm_80+),
-// templates/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a) and templates/attention_bwd.cuh
-// (portable backward).
+// templates/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a), templates/attention_bwd.cuh
+// (portable backward), templates/attention_bwd_sm90.cuh (Hopper backward) and
+// templates/attention_bwd_rows.cuh (the backward's per-row kernels).
 #pragma once
 
 #include <cstddef>
@@ -122,9 +123,8 @@ KernelSpec attention_fwd_spec(const KernelConfig& cfg);
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg);
 // templates/attention_bwd.cuh, entry flexc_attention_bwd:
 //   (FlexcAttentionBwdParams p, FlexcArgs args, FlexcBlockMask bm)
-// The same compile also holds flexc_attention_bwd_prep and flexc_attention_bwd_dq, which take
-// the FlexcAttentionBwdParams alone, and flexc_attention_bwd_dq_rows (the main kernel's
-// arguments). The deterministic build leaves dQ to flexc_attention_bwd_dq_rows.
+// The deterministic build leaves dQ out and holds flexc_attention_bwd_dq_rows (the same
+// arguments), which computes it.
 KernelSpec attention_bwd_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
 // templates/attention_bwd_sm90.cuh (sm_90a), entry flexc_attention_bwd_sm90: the main kernel's
@@ -132,6 +132,11 @@ KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
 // attention_bwd_deterministic_spec's flexc_attention_bwd_dq_rows.
 KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg);
+// templates/attention_bwd_rows.cuh, entry flexc_attention_bwd_prep (delta; the dQ accumulator
+// zeroed), and in the same compile flexc_attention_bwd_dq (dQ from the accumulator): both take the
+// FlexcAttentionBwdParams alone. No hook: the unit is the same for every variant (cfg's dtype,
+// head dim and float32 outputs only).
+KernelSpec attention_bwd_rows_spec(const KernelConfig& cfg);
 
 // templates/attention_decode.cuh: flexc_attention_decode(FlexcDecodeParams p, FlexcArgs args)
 // with `mt` 16-row tiles of query rows per CTA (1 or 2; the plain spec: 1). The same compile

@@ -1,7 +1,8 @@
-// Backward attention for Hopper (sm_90a): the main kernel of templates/attention_bwd.cuh (whose
-// prep, dq and dq_rows entries run around it, from that template's compile) on wgmma, everything
-// else shared with it (attention_tile.cuh: column schedule, hooks, epilogue, the dQ accumulator's
-// layout; online_softmax.cuh: P from the LSE, dS).
+// Backward attention for Hopper (sm_90a): the main kernel of templates/attention_bwd.cuh on wgmma
+// (attention_bwd_rows.cuh's prep and dq run around it, and with FLEXC_DETERMINISTIC
+// attention_bwd.cuh's dq_rows), everything else shared with it (attention_tile.cuh: column
+// schedule, hooks, epilogue; attention_layout.cuh: the dQ accumulator's layout;
+// online_softmax.cuh: P from the LSE, dS).
 //
 // One CTA of three warpgroups per (128-row kv tile, kv head, batch), FlashAttention-3's layout:
 // - warpgroup 0 produces: one thread loads K and V once and then, per step (a q tile of one query

@@ -29,7 +29,7 @@ struct FlexcAttentionParams {
   float scale_log2;  // scale * log2(e), for identity score_mods
 };
 
-// What the backward kernels (templates/attention_bwd.cuh) take beyond the forward's tensors:
+// What the backward kernels (templates/attention_bwd*.cuh) take beyond the forward's tensors:
 // FlexcAttentionParams::o is the forward's output and lse its log-sum-exp (both set). dq, dk, dv
 // have q's, k's, v's shapes, in the input type (float32 in a FLEXC_F32_OUT build); delta and
 // dq_accum are flexc's workspace.

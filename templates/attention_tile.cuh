@@ -9,7 +9,7 @@
 // (g = lane / 4, t = lane % 4).
 #pragma once
 
-#include "attention_params.cuh"
+#include "attention_layout.cuh"
 #include "flexc_hooks.cuh"
 #include "flexc_variant.cuh"
 #include "online_softmax.cuh"
@@ -28,26 +28,6 @@ using flexc_tile::neg_inf;
 #define FLEXC_POSITIONS 0
 #endif
 constexpr bool kPositions = FLEXC_POSITIONS != 0;
-// A kernel built with FLEXC_F32_OUT writes its outputs (the forward's O; the backward's dQ, dK,
-// dV) in float32, unrounded: ring attention's blocks, merged or summed before one rounding; with
-// FLEXC_F32_OUT 2 it adds them into what the outputs hold (the backward) or merges them into O
-// and its LSE (the forward: store_rows). A build of its own, so
-// that the 16-bit kernels' registers stay as they are.
-#ifndef FLEXC_F32_OUT
-#define FLEXC_F32_OUT 0
-#endif
-constexpr bool kF32Out = FLEXC_F32_OUT != 0;
-constexpr bool kAddOut = FLEXC_F32_OUT == 2;
-// Stores a pair of float32 outputs at `at` (8-byte aligned), or adds them (kAddOut): each output
-// element has one writer per call, and calls are ordered on their stream.
-__device__ __forceinline__ void put_f32x2(float* at, float x, float y) {
-  float2 v = make_float2(x, y);
-  if constexpr (kAddOut) {
-    const float2 old = *reinterpret_cast<const float2*>(at);
-    v.x += old.x, v.y += old.y;
-  }
-  *reinterpret_cast<float2*>(at) = v;
-}
 // A kernel built with FLEXC_ROWS_APART computes the rowless score (FlexcVariant::kRowless):
 // score_mod without its row terms, in units of kRowlessUnits. A value added to a row's every
 // score changes only its LSE: the forward kernels add the row terms to each row's LSE in their
@@ -300,13 +280,6 @@ struct KvStraddle {
     return -1;
   }
 };
-
-// Row `h` of batch `b` of a [B, H, S, D] tensor with strides `stride` (elements).
-template <class T>
-__device__ __forceinline__ const T* at(const void* base, const long long (&stride)[3], int b,
-                                       int h) {
-  return static_cast<const T*>(base) + b * stride[0] + h * stride[1];
-}
 
 // score_mod's relative terms (FlexcVariant::kScoreRelTerms: functions of d = kv_idx - q_idx, b
 // and h fixed, such as a T5 bucketed bias or a distance decay) for the ROWS x COLS scores of a
@@ -801,32 +774,6 @@ __device__ __forceinline__ void add_capture_grads(Sink& sink, const FlexcArgs& a
                                          q_idx, kv_idx, hook_q_len<false>(p), hook_kv_len(p));
 }
 
-// The backward's float32 dQ accumulator (FlexcAttentionBwdParams::dq_accum): per (batch, query
-// head), blocks of 64 q rows (the last one padded to 64), each block in the order in which the
-// Hopper kernel's two consumer warpgroups hold their halves of dQ (columns [0, D/2) and
-// [D/2, D)) as m64 wgmma fragments: half, n8 column tile j, thread t of the warpgroup, then the
-// fragment's 4 floats. So a warpgroup stages its half with conflict-free 16-byte stores and adds
-// it with one contiguous bulk reduce; the other kernels address it element by element.
-template <int D>
-struct DqAccum {
-  static constexpr int kRows = 64;
-  static constexpr int kHalfCols = D / 2;
-  static constexpr int kHalfFloats = kRows * kHalfCols;
-  // Offset of the block holding q row `q` of head (b, h).
-  __device__ __forceinline__ static long long block(const FlexcAttentionParams& p, int b, int h,
-                                                    int q) {
-    const int blocks = (p.q_len + kRows - 1) / kRows;
-    return ((static_cast<long long>(b) * p.q_heads + h) * blocks + q / kRows) * (kRows * D);
-  }
-  // Offset of (row r, column c) inside a block; r < 64, c < D.
-  __device__ __forceinline__ static int offset(int r, int c) {
-    const int half = c / kHalfCols, cc = c % kHalfCols, r16 = r & 15;
-    const int t = (r >> 4) * 32 + (r16 & 7) * 4 + ((cc & 7) >> 1);
-    const int e = (r16 >> 3) * 2 + (cc & 1);
-    return half * kHalfFloats + ((cc >> 3) * 128 + t) * 4 + e;
-  }
-};
-
 // Writes a warp's MT x DT C fragments, row (i, r) times factor(i, r), into rows [tile_row,
 // tile_row + 16 MT) of a staging tile (shared memory in Tile's layout), in the input type.
 template <class Tile, bool BF16, int MT, int DT, class Factor>
@@ -861,13 +808,6 @@ __device__ __forceinline__ void store_staged(const unsigned char* tile, int tile
           *reinterpret_cast<const uint4*>(tile + Tile::offset(tile_row + r, ch));
     }
   }
-}
-
-// Row 0 of head (b, h) of an output [B, H, S, D] (strides in elements): 16-bit elements, float32
-// in a FLEXC_F32_OUT build.
-__device__ __forceinline__ void* head_rows(void* base, const long long (&stride)[3], long long b,
-                                           long long h) {
-  return static_cast<char*>(base) + (b * stride[0] + h * stride[1]) * (kF32Out ? 4 : 2);
 }
 
 // One warp's MT x DT accumulator tiles, each row scaled by factor(i, r), as rows row0.. of a

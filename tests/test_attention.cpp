@@ -19,6 +19,7 @@
 #include "flexc/blockmask.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
+#include "flexc/jit.h"
 #include "flexc/npy.h"
 #include "flexc/reference.h"
 #include "flexc/variant.h"
@@ -1037,14 +1038,36 @@ TEST_CASE("the backward kernel builds for every variant with bounded spills", "[
         build.apply(kc);
         const std::string log = ptxas_log(v, jit::attention_bwd_spec(kc));
         INFO(name << " D " << d << build.describe() << "\n" << log);
-        CHECK(spill_bytes(log, "flexc_attention_bwd_prep") == 0);
-        CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
         // dK and dV of D = 128 hold 128 registers a thread: D 128 spills a little today (at
         // most 144 bytes, alibi with its capture gradient; docs/perf.md); D 64 at most 12 bytes
         // (softcap's fast tanh and its derivative; alibi with the capture-gradient sink 8).
         CHECK(spill_bytes(log, "flexc_attention_bwd") <= (d == 64 ? 12 : 160));
       }
   }
+}
+
+TEST_CASE("the backward's per-row kernels build without spills, one unit for every variant",
+          "[attention]") {
+  const Variant noop = Variant::from_catalogue("noop");
+  for (int d : {32, 64, 96, 128})
+    for (const char* dtype : {"bf16", "fp16"})
+      for (const Build& build : std::vector<Build>{{}, {false, true}, {false, true, true}}) {
+        jit::KernelConfig kc{"sm_90", dtype, d};
+        build.apply(kc);
+        const std::string log = ptxas_log(noop, jit::attention_bwd_rows_spec(kc));
+        INFO("D " << d << " " << dtype << build.describe() << "\n" << log);
+        CHECK(spill_bytes(log, "flexc_attention_bwd_prep") == 0);
+        CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
+      }
+  // No hook reaches the unit: a second variant finds the first one's compile in the cache, while
+  // the main kernels differ per variant.
+  const std::vector<flexc::KernelBuild> builds{{"attention_bwd_rows", "sm_90"},
+                                               {"attention_bwd", "sm_90"}};
+  const auto alibi = flexc::compile_kernels(Variant::from_catalogue("alibi"), builds);
+  const auto softcap = flexc::compile_kernels(Variant::from_catalogue("softcap"), builds);
+  CHECK(alibi[0].key == softcap[0].key);
+  CHECK(softcap[0].origin != flexc::CompiledKernel::Origin::Compiled);
+  CHECK(alibi[1].key != softcap[1].key);
 }
 
 TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous with bounded spills",
