@@ -114,7 +114,7 @@ KernelSpec attention_bwd_rows_spec(const KernelConfig& cfg) {
                   {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
                    {"FLEXC_BF16", cfg.dtype == "bf16" ? "1" : "0"}},
                   cfg.arch};
-  add_build_defines(cfg, spec.defines);
+  add_f32_out_define(cfg, spec.defines);  // no position: a positions build shares the unit
   return spec;
 }
 KernelSpec attention_bwd_spec(const KernelConfig& cfg) { return bwd_spec(cfg, false); }
@@ -260,13 +260,13 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
   jit::KernelConfig kc{"", dtype == DType::BF16 ? "bf16" : "fp16", int(D)};
   kc.positions = pos.need_kernel(q_len, kv_len, false);
   kc.f32_out = grads_f32, kc.accumulate = opts.accumulate;
-  const jit::KernelSpec main_spec =
-      hopper ? (deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
-                              : jit::attention_bwd_sm90_spec(kc))
-             : (deterministic ? jit::attention_bwd_deterministic_spec(kc)
-                              : jit::attention_bwd_spec(kc));
+  const jit::KernelSpec portable_spec =
+      deterministic ? jit::attention_bwd_deterministic_spec(kc) : jit::attention_bwd_spec(kc);
+  const jit::KernelSpec main_spec = !hopper         ? portable_spec
+                                    : deterministic ? jit::attention_bwd_sm90_deterministic_spec(kc)
+                                                    : jit::attention_bwd_sm90_spec(kc);
   const jit::KernelSpec prep_spec = jit::attention_bwd_rows_spec(kc);
-  jit::KernelSpec dq_spec = deterministic ? jit::attention_bwd_deterministic_spec(kc) : prep_spec;
+  jit::KernelSpec dq_spec = deterministic ? portable_spec : prep_spec;
   dq_spec.entry = deterministic ? "flexc_attention_bwd_dq_rows" : "flexc_attention_bwd_dq";
   const jit::KernelSpec specs[] = {prep_spec, main_spec, dq_spec};
   const std::vector<const jit::Kernel*> kernels = jit::get_kernels(variant, specs);

@@ -1060,14 +1060,17 @@ TEST_CASE("the backward's per-row kernels build without spills, one unit for eve
         CHECK(spill_bytes(log, "flexc_attention_bwd_dq") == 0);
       }
   // No hook reaches the unit: a second variant finds the first one's compile in the cache, while
-  // the main kernels differ per variant.
-  const std::vector<flexc::KernelBuild> builds{{"attention_bwd_rows", "sm_90"},
-                                               {"attention_bwd", "sm_90"}};
+  // the main kernels differ per variant; nor a position (a positions build shares it).
+  flexc::KernelBuild positions{"attention_bwd_rows", "sm_90"};
+  positions.positions = true;
+  const std::vector<flexc::KernelBuild> builds{
+      {"attention_bwd_rows", "sm_90"}, {"attention_bwd", "sm_90"}, positions};
   const auto alibi = flexc::compile_kernels(Variant::from_catalogue("alibi"), builds);
   const auto softcap = flexc::compile_kernels(Variant::from_catalogue("softcap"), builds);
   CHECK(alibi[0].key == softcap[0].key);
   CHECK(softcap[0].origin != flexc::CompiledKernel::Origin::Compiled);
   CHECK(alibi[1].key != softcap[1].key);
+  CHECK(alibi[2].key == alibi[0].key);
 }
 
 TEST_CASE("the Hopper backward kernel keeps its wgmmas asynchronous with bounded spills",

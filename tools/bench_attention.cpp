@@ -181,17 +181,16 @@ int main(int argc, char** argv) {
                  "--seqs), D = 64 / 128 instead of the anchors' cases");
   app.add_flag("--head-dims", head_dims,
                "run noop, causal and softcap at D = 96, 192 and 256 (H = 16) instead");
+  const CLI::Validator divides_tokens(
+      [](std::string& v) {
+        return kTokens % std::stoll(v) == 0 ? "" : v + " does not divide 16384";
+      },
+      "divisor of 16384");
   app.add_option("--seqs", seqs,
                  "sequence lengths of the noop and causal cases (or of the gallery's), "
                  "comma-separated divisors of 16384 (B = 16384 / S)")
       ->delimiter(',')
-      ->check(CLI::Range(int64_t(1), kTokens) & CLI::Validator(
-                                                    [](std::string& v) {
-                                                      return kTokens % std::stoll(v) == 0
-                                                                 ? ""
-                                                                 : v + " does not divide 16384";
-                                                    },
-                                                    "divisor of 16384"));
+      ->check(CLI::Range(int64_t(1), kTokens) & divides_tokens);
   app.add_option("--kernel", kernel_names,
                  "kernels to time (forward, or backward with --backward), comma-separated: auto, "
                  "portable, hopper")

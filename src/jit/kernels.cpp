@@ -15,10 +15,15 @@ KernelSpec blockmask_classify_spec(const KernelConfig& cfg) {
   return {"blockmask.cuh", "flexc_blockmask_classify", {}, cfg.arch};
 }
 
+void add_f32_out_define(const KernelConfig& cfg,
+                        std::vector<std::pair<std::string, std::string>>& defines) {
+  defines.emplace_back("FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0");
+}
+
 void add_build_defines(const KernelConfig& cfg,
                        std::vector<std::pair<std::string, std::string>>& defines) {
   defines.emplace_back("FLEXC_POSITIONS", cfg.positions ? "1" : "0");
-  defines.emplace_back("FLEXC_F32_OUT", cfg.accumulate ? "2" : cfg.f32_out ? "1" : "0");
+  add_f32_out_define(cfg, defines);
 }
 
 namespace {

@@ -62,9 +62,12 @@ KernelSpec mods_eval_spec(const KernelConfig& cfg);
 KernelSpec blockmask_classify_spec(const KernelConfig& cfg);
 
 // The attention kernels' builds (forward and backward alike, templates/attention_tile.cuh):
-// FLEXC_POSITIONS (cfg.positions) and FLEXC_F32_OUT (0: outputs in the input type; 1: float32,
-// cfg.f32_out; 2: float32 added / merged into, cfg.accumulate), appended to `defines`.
+// FLEXC_POSITIONS (cfg.positions) and FLEXC_F32_OUT, appended to `defines`.
 void add_build_defines(const KernelConfig& cfg,
                        std::vector<std::pair<std::string, std::string>>& defines);
+// FLEXC_F32_OUT alone (templates/attention_layout.cuh; 0: outputs in the input type; 1: float32,
+// cfg.f32_out; 2: float32 added / merged into, cfg.accumulate), for kernels that read no position.
+void add_f32_out_define(const KernelConfig& cfg,
+                        std::vector<std::pair<std::string, std::string>>& defines);
 
 }  // namespace flexc::jit
