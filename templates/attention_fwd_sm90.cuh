@@ -19,7 +19,8 @@
 //   (round robin on named barriers; not at D 64 with two, kTurns), so one's softmax runs while
 //   another's products do. P never leaves registers: wgmma takes A from registers in the layout
 //   the softmax leaves it in. A tile empty for a consumer's rows (the other BlockMask row's) has
-//   its scores masked whole: P = 0.
+//   its scores masked whole: P = 0; past its own row's last tile a consumer only releases the
+//   stages (kSkipDone).
 //
 // Compile-time configuration (from src/attention.cpp's fwd_config_sm90, which sizes the launch):
 // FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
@@ -87,6 +88,9 @@ static_assert((kBlockM == 128 || (kBlockM == 192 && kD == 64 && kDv == 64)) &&
 // arrives on its "full" barrier, so a consumer that waited for K_j reads it; the ring outlasts the
 // kStages tiles a consumer may lag behind the producer.
 constexpr int kRing = 8;
+// A consumer whose BlockMask row has no tile left (kTileDone) skips the union's last tiles, the
+// other row's (its loop ends there): 192-row tiles under a mask.
+constexpr bool kSkipDone = kConsumers == 3 && !FlexcVariant::kMaskAlwaysTrue;
 constexpr unsigned kEnd = 0xffffffffu, kKindMask = (1u << (2 * kConsumers)) - 1;
 static_assert((kWide || kBlockN >= (1 << (2 * kConsumers))) && kRing > kStages + 1,
               "kinds fit below the kv index; the ring outlasts the stages");
@@ -358,8 +362,11 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
     }
     unsigned x = unsigned(kv0);
 #pragma unroll
-    for (int c = 0; c < kConsumers; ++c)
-      if (c < active) x |= ((kinds >> ((second >> c) & 1 ? 2 : 0)) & 3u) << (2 * c);
+    for (int c = 0; c < kConsumers; ++c) {
+      unsigned kind = (kinds >> ((second >> c) & 1 ? 2 : 0)) & 3u;
+      if (!kSkipDone && kind == flexc_attn::kTileDone) kind = flexc_attn::kTileEmpty;
+      if (c < active) x |= kind << (2 * c);
+    }
     return x;
   };
   unsigned kinds = 0;
@@ -556,12 +563,18 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
 
     unsigned word = ring[(j + k) % kRing];  // the item's first tile's (kEnd: no tile)
     auto next_word = [&] { return ring[(j + 1 + k) % kRing]; };  // tile j + 1's
+    // Whether this consumer's tiles end at `w`: the item's end, or (two BlockMask rows) its row's
+    // tiles are all taken, and the union's later tiles, empty for its rows, are the other
+    // row's: it leaves them to the other consumers (a causal 192-row tile's last one for one or
+    // two of its three) and only releases their stages.
+    auto ends = [&](unsigned w) {
+      return w == kEnd || (kSkipDone && ((w >> (2 * cw)) & 3u) == flexc_attn::kTileDone);
+    };
     if (kTurns && cw == kConsumers - 1 && word != kEnd) named_arrive(kTurnBarrier, 256);
-    if (cw >= active) {
-      flush();
-      // Rows past q_len (the last q tile's): nothing to compute, but the turns and the stages'
-      // releases go on. The turns (or without them the waits below) order each release after
-      // the previous phase's.
+    // The item's tiles from j on without computing them: the turns and the stages' releases go
+    // on. The turns (or without them the waits below) order each release after the previous
+    // phase's.
+    auto release_rest = [&] {
       for (; word != kEnd; ++j) {
         const int st = j % kStages;
         mbar_wait(sm.k_full(st), (j / kStages) & 1);
@@ -582,6 +595,11 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         if constexpr (kTileTma) mbar_arrive(sm.b_empty(st));
         mbar_arrive(sm.v_empty(st));
       }
+    };
+    if (cw >= active) {
+      // Rows past q_len (the last q tile's): nothing to compute.
+      flush();
+      release_rest();
       mbar_arrive(sm.q_empty());
       continue;
     }
@@ -612,7 +630,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         issue_qk(s[0], sm.q, q_rows, sm.k_tile(st));
     };
     zero_fragments(o);
-    if (word == kEnd) flush();  // no first tile to store under
+    if (ends(word)) flush();  // no first tile to store under
     OnlineSoftmax<1, kNT> softmax;
     softmax.init();
     int kv0 = 0;
@@ -687,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     // issue has its wait on every path (ptxas serializes wgmmas when it cannot prove that); or in
     // the loop, with a P.V of zeros.
     const int j0 = j;
-    if (kPeelFirst && word != kEnd) {
+    if (kPeelFirst && !ends(word)) {
       const int st = j % kStages;
       read_word();
       load_columns();
@@ -707,7 +725,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       pack_p(s[0], pa);
       ++j;
     }
-    for (; word != kEnd; ++j) {
+    for (; !ends(word); ++j) {
       // Without the peel, the first tile's P.V multiplies zeros (pa) by its own V tile: the same
       // wgmmas on every path (a branch around them makes ptxas serialize them, C7519).
       const bool first = !kPeelFirst && j == j0;
@@ -751,6 +769,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       fence_regs(o[0]);
       mbar_arrive(sm.v_empty(last));
     }
+    if constexpr (kSkipDone) release_rest();  // the other BlockMask row's last tiles
     float inv_sum[1][2], lse[1][2];
     softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
     flexc_attn::add_row_terms(inv_sum, lse, p, args, b, h, row0);

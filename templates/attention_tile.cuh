@@ -161,8 +161,10 @@ struct ColumnSteps {
   }
 };
 
-// Whether mask_mod must run on a tile, per q-row group: the kinds a KvUnion reports.
-enum TileKind : unsigned { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2 };
+// Whether mask_mod must run on a tile, per q-row group: the kinds a KvUnion reports. kTileDone:
+// empty, and so is every later tile of the union for that group (its BlockMask row's lists are
+// taken), which a consumer then skips whole.
+enum TileKind : unsigned { kTileEmpty = 0, kTilePartial = 1, kTileFull = 2, kTileDone = 3 };
 
 // The kv tiles of a CTA whose q rows span one or two BlockMask rows (the Hopper forward kernel's
 // 192-row tiles over 128-row BlockMask tiles), in ascending kv order: the union of the rows'
@@ -210,12 +212,12 @@ struct KvUnion {
     return dense ? r.at_full : bm.full_kv_idx[r.off + r.at_full];
   }
   // Takes `t` if it is the row's next tile; its kind there (full where mask_mod is always true:
-  // nothing to evaluate).
+  // nothing to evaluate; done where the row has no tile left).
   __device__ __forceinline__ unsigned take(const FlexcBlockMask& bm, Row& r, int t) const {
     if (partial_at(bm, r) == t)
       return ++r.at_partial, FlexcVariant::kMaskAlwaysTrue ? kTileFull : kTilePartial;
     if (full_at(bm, r) == t) return ++r.at_full, dense ? kDenseKind : kTileFull;
-    return kTileEmpty;
+    return r.at_partial < r.num_partial || r.at_full < r.num_full ? kTileEmpty : kTileDone;
   }
   // The union's next BlockMask tile (without a BlockMask: kernel tile), kNone when done; its
   // kinds as next's.

@@ -1752,7 +1752,11 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
   // empty for the other's consumers. Masks whose tiles differ from row to row (full and empty
   // tiles only; partial ones), odd lengths (consumers past Q_LEN), GQA (KV_LEN above 1536: 192-row
   // tiles; at 448 the 128-row ones short masked sequences take); and a user's BlockMask that
-  // leaves out tiles mask_mod keeps: those count as masked, as FlexAttention has it.
+  // leaves out tiles mask_mod keeps: those count as masked, as FlexAttention has it. A consumer
+  // whose BlockMask row has no tile left skips the union's later ones (kSkipDone): `early_end`'s
+  // even rows end after two tiles, the odd ones run to KV_LEN.
+  const Variant early_end =
+      Variant::from_strings("score", "q_idx // 128 % 2 == 1 || kv_idx < 200", {}, {}, "early_end");
   const Variant stripes = Variant::from_strings(
       "score", "(q_idx // 128 + kv_idx // 128) % 3 != 1", {}, {}, "tile_stripes");
   const Variant halves = Variant::from_strings(
@@ -1760,7 +1764,7 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
       "half_tile_stripes");
   const Variant causal = Variant::from_catalogue("causal");
   int i = 0;
-  for (const Variant* v : {&stripes, &halves, &causal})
+  for (const Variant* v : {&stripes, &halves, &causal, &early_end})
     for (auto [lq, lkv] : {std::pair<int64_t, int64_t>{1000, 1700}, {193, 1600}, {448, 448}})
       for (FwdKernel kernel : kernels_for(64)) {
         GpuCase c{++i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, lq, lkv, 64,
