@@ -16,9 +16,17 @@
 
 namespace flexc::detail {
 
+// x as the kernel stores it in dtype d (float32 included: a gate's gradient in g's type).
 inline double round_to(DType d, double x) {
   const float f = static_cast<float>(x);
-  return d == DType::BF16 ? bf16_to_float(float_to_bf16(f)) : fp16_to_float(float_to_fp16(f));
+  switch (d) {
+    case DType::BF16:
+      return bf16_to_float(float_to_bf16(f));
+    case DType::F16:
+      return fp16_to_float(float_to_fp16(f));
+    default:
+      return f;
+  }
 }
 
 // Runs f(begin, end) over [0, n) in chunks on every hardware thread.
