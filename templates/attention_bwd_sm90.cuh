@@ -25,9 +25,9 @@
 // With FLEXC_DETERMINISTIC dQ is left out (attention_bwd.cuh's dq_rows computes it) and the two
 // consumers never wait for each other.
 //
-// Compile-time configuration (src/attention_backward.cpp's bwd_config_sm90): FLEXC_HEAD_DIM
-// (64 or 128), FLEXC_BF16, FLEXC_BLOCK_M (64 q rows per step), FLEXC_BLOCK_N (128 kv rows per CTA),
-// FLEXC_DETERMINISTIC.
+// Compile-time configuration (src/attention/attention_backward.cpp's bwd_config_sm90):
+// FLEXC_HEAD_DIM (64 or 128), FLEXC_BF16, FLEXC_BLOCK_M (64 q rows per step), FLEXC_BLOCK_N (128 kv
+// rows per CTA), FLEXC_DETERMINISTIC.
 #define FLEXC_ROWS_APART 1  // score_mod's row terms come off the LSE (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"

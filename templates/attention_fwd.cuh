@@ -58,8 +58,8 @@ using RelTable = flexc_attn::RelTable<kBlockM, kBlockN>;
 using Scores = flexc_attn::ScoreTile<kMT, kNT>;
 constexpr bool kRelTables = RelTable::kTerms > 0 && Scores::kScoreCols + Scores::kScoreTiles == 0;
 // Shared memory: Q (or O, the larger), then kStages x (K, V), then the relative-term tables
-// (src/attention.cpp adds their bytes for every score_mod with terms, by dsl::LaunchFacts; left
-// unused without kRelTables). The host computes the same size.
+// (src/attention/attention.cpp adds their bytes for every score_mod with terms, by
+// dsl::LaunchFacts; left unused without kRelTables). The host computes the same size.
 constexpr int kQBytes = QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
 constexpr int kRelBytes = 2 * RelTable::kWords * 4;

@@ -22,18 +22,18 @@
 //   its scores masked whole: P = 0; past its own row's last tile a consumer only releases the
 //   stages (kSkipDone).
 //
-// Compile-time configuration (from src/attention.cpp's fwd_config_sm90, which sizes the launch):
-// FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192 or 256,
-// FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows; 192 at D 64: three), FLEXC_BLOCK_N
-// (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer thread's 240,
-// and shared memory must hold Q and two stages of K and V; 176, 112 or 80 at D 128, 192 or 256:
-// the wide tiles, kWide), FLEXC_STAGES (2), FLEXC_PERSISTENT
-// (1: a CTA per SM looping over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1:
-// score_mod's [Q_LEN, KV_LEN] tile load comes by TMA with K and V, one more stage each, and the
-// consumers read it with ldmatrix; 0: they load their words from global memory themselves),
-// FLEXC_Q_REGS (how many 16-column chunks of its Q rows each consumer warp reads into registers
-// once per item; Q.K^T takes A from them for those chunks and reads only K from shared memory:
-// with 64-wide kv tiles Q's and K's reads together would take all of its bandwidth; 0: none).
+// Compile-time configuration (from src/attention/attention.cpp's fwd_config_sm90, which sizes the
+// launch): FLEXC_HEAD_DIM (q and k) and FLEXC_HEAD_DIM_V (v and the output), each 64, 96, 128, 192
+// or 256, FLEXC_BF16, FLEXC_BLOCK_M (128: two consumers of 64 rows; 192 at D 64: three),
+// FLEXC_BLOCK_N (128; 64 when a head dim is above 128: O takes 96 or 128 registers of a consumer
+// thread's 240, and shared memory must hold Q and two stages of K and V; 176, 112 or 80 at D 128,
+// 192 or 256: the wide tiles, kWide), FLEXC_STAGES (2), FLEXC_PERSISTENT (1: a CTA per SM looping
+// over work items, Items; 0: a CTA per item), FLEXC_TILE_TMA (1: score_mod's [Q_LEN, KV_LEN] tile
+// load comes by TMA with K and V, one more stage each, and the consumers read it with ldmatrix; 0:
+// they load their words from global memory themselves), FLEXC_Q_REGS (how many 16-column chunks of
+// its Q rows each consumer warp reads into registers once per item; Q.K^T takes A from them for
+// those chunks and reads only K from shared memory: with 64-wide kv tiles Q's and K's reads
+// together would take all of its bandwidth; 0: none).
 #define FLEXC_ROWS_APART 2  // row terms to the LSE, units in the exponent (attention_tile.cuh)
 #include "attention_tile.cuh"
 #include "online_softmax.cuh"
@@ -53,7 +53,7 @@ constexpr bool kPersistent = FLEXC_PERSISTENT != 0;
 constexpr bool kTileTma = FLEXC_TILE_TMA != 0;
 // Wide kv tiles (80, 112, 176: FlashAttention-3's) do not divide a BlockMask's 128-key tiles:
 // over a BlockMask one may straddle two (KvStraddle, ScoreTile's SPLIT). Never beside hooks that
-// stage per-tile loads (src/attention.cpp, detail::fwd_sm90_wide_n).
+// stage per-tile loads (src/attention/attention.cpp, detail::fwd_sm90_wide_n).
 constexpr bool kWide = kBlockN != 64 && kBlockN != 128;
 // Q's 16-column chunks a consumer holds in registers. Beside wide kv tiles a score_mod other than
 // the identity takes at most 4: its own math needs the registers (softcap at D 192 / 256 +5-10%
@@ -109,10 +109,10 @@ constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // Shared memory: Q (or O's staging, the larger), K[kStages], V[kStages] (each 1024-byte aligned:
 // the sizes are multiples of 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the
 // last 32), the staged column loads' stages, then the mbarriers, the schedule ring, the staged
-// loads' kv indices and the relative-term tables (src/attention.cpp adds the staged loads' and
-// the tables' bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the dynamic base.
-// q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[], t_full[],
-// t_empty[], then q_empty, then the tile loads' b_full[] and b_empty[] (kTileTma).
+// loads' kv indices and the relative-term tables (src/attention/attention.cpp adds the staged
+// loads' and the tables' bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the
+// dynamic base. q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[],
+// t_full[], t_empty[], then q_empty, then the tile loads' b_full[] and b_empty[] (kTileTma).
 constexpr int kBarriers = 2 + 7 * kStages + (kTileTma ? 2 * kStages : 0);
 // O is staged apart from Q where both fit (head dims up to 128, no tile-load stages, no wide kv
 // tiles), so that a CTA's next Q loads while it stores the last output; over Q's bytes otherwise
@@ -247,8 +247,8 @@ __device__ __forceinline__ void load_tile(unsigned dst, const FlexcTensorMap& ma
 }
 
 // Where score_mod's tile load of q tile q0 starts in its TMA map (the kernel's `tb`, a 2-D view of
-// the capture as rows of its q dim's stride: src/attention.cpp, detail::tile_map): the map's
-// column and row of (q_idx, kv_idx) = (q0's, the first key's).
+// the capture as rows of its q dim's stride: src/attention/attention.cpp, detail::tile_map): the
+// map's column and row of (q_idx, kv_idx) = (q0's, the first key's).
 __device__ __forceinline__ void tile_origin(const FlexcAttentionParams& p, const FlexcArgs& args,
                                             int b, int h, int q0, int& col, int& row) {
   long long off[1];
@@ -446,8 +446,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
 
   if (threadIdx.x == 0) {
-    // The host sizes shared memory by this file's rule (src/attention.cpp, fwd_hook_bytes): were
-    // they ever to disagree, the kernel would overwrite memory past its own; it stops instead.
+    // The host sizes shared memory by this file's rule (src/attention/attention.cpp,
+    // fwd_hook_bytes): were they ever to disagree, the kernel would overwrite memory past its own;
+    // it stops instead.
     unsigned given;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(given));
     if (given < sm.q - raw + kSmemBytes) __trap();

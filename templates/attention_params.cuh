@@ -1,5 +1,6 @@
 // Runtime arguments of the attention kernels, shared verbatim by the kernel templates and the
-// host (src/attention.cpp includes this file), so the layout cannot drift. Plain C++ only.
+// host (src/attention/attention.cpp includes this file), so the layout cannot drift. Plain C++
+// only.
 //
 // Tensors are [batch, heads, seq, head_dim] with any batch / head / seq strides (in elements) and
 // a contiguous head_dim; rows start 16-byte aligned. LSE is fp32 [batch, q_heads, q_len],

@@ -23,7 +23,7 @@ using flexc_tile::neg_inf;
 // 0 and the tensors' lengths, queries from q_pos0 in the forward kernels (chunked prefill) and
 // from 0 in the backward ones: any more runtime positions perturb ptxas's register allocation
 // (the Hopper backward's spills moved by -120..+80 bytes across the catalogue), so the host
-// builds the positions kernel only for calls that need it (src/attention.cpp).
+// builds the positions kernel only for calls that need it (src/attention/attention.cpp).
 #ifndef FLEXC_POSITIONS
 #define FLEXC_POSITIONS 0
 #endif

@@ -1,4 +1,5 @@
-// The BlockMask's GPU builder (src/blockmask_gpu.cpp drives it; docs/blockmask.md explains it).
+// The BlockMask's GPU builder (src/blockmask/blockmask_gpu.cpp drives it; docs/blockmask.md
+// explains it).
 //
 // The host's interval analysis decides most tiles as boxes of tiles. On the device:
 //   1. the tile-verdict grid (one byte per tile: 0 empty, 1 partial, 2 full) is zeroed,
@@ -11,7 +12,7 @@
 // and `prefix` holds the running tile counts of a box list (n + 1 entries, prefix[0] = 0), so
 // that tile number w of the list lies in the box i with prefix[i] <= w < prefix[i + 1].
 // Only the classify kernel calls the variant; the others are the same for every variant. The
-// host launches them with the block sizes below (src/blockmask_gpu.cpp mirrors them).
+// host launches them with the block sizes below (src/blockmask/blockmask_gpu.cpp mirrors them).
 #include "flexc_hooks.cuh"
 #include "flexc_variant.cuh"
 

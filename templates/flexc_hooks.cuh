@@ -110,8 +110,9 @@ struct FlexcArgs {
   int iparam[FLEXC_MAX_PARAMS];    // runtime Int params by slot
 };
 
-// A BlockMask as the kernels read it (layout after FlexAttention's; built by src/blockmask.cpp).
-// For q tile `qt` of batch b, query head h (bb = nb == 1 ? 0 : b, hh = nh == 1 ? 0 : h):
+// A BlockMask as the kernels read it (layout after FlexAttention's; built by
+// src/blockmask/blockmask.cpp). For q tile `qt` of batch b, query head h (bb = nb == 1 ? 0 : b, hh
+// = nh == 1 ? 0 : h):
 //   row = (bb * nh + hh) * num_q_tiles + qt
 //   kv_num[row] partial kv tiles, listed at kv_idx[row * num_kv_tiles + i] (ascending);
 //   full_kv_num[row] full kv tiles, listed at full_kv_idx[row * num_kv_tiles + i] (ascending).

@@ -13,7 +13,7 @@
 #include <random>
 #include <ranges>
 
-#include "attention_kernel.h"
+#include "attention/attention_kernel.h"
 #include "dsl/emit_cuda.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"

@@ -10,7 +10,7 @@
 #include <limits>
 #include <random>
 
-#include "attention_kernel.h"
+#include "attention/attention_kernel.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/device.h"

@@ -1,14 +1,15 @@
 // BlockMask: the analytic builder, the CPU brute force and the GPU builder agree exactly with an
 // element-by-element oracle; from_kv_blocks validation; the picture and sparsity.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cstring>
-#include <fmt/format.h>
 #include <limits>
 #include <random>
 
-#include "blockmask_impl.h"
+#include "blockmask/blockmask_impl.h"
 #include "dsl/analysis.h"
 #include "dsl/ir.h"
 #include "flexc/blockmask.h"

@@ -10,7 +10,7 @@
 #include <numeric>
 #include <optional>
 
-#include "attention_kernel.h"
+#include "attention/attention_kernel.h"
 #include "flexc/attention.h"
 #include "flexc/decode.h"
 #include "flexc/device.h"

@@ -7,17 +7,18 @@
 // before create_block_mask until the lists are written; the median of --reps after 3 warm-ups
 // (the first compiles the kernels). cpu: the CPU builder's wall time. --analysis-only: just the
 // host's interval analysis as a GPU build runs it (measurable without a GPU).
+#include <fmt/format.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fmt/format.h>
 #include <optional>
 #include <vector>
 
-#include "blockmask_impl.h"
 #include "bench_util.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/blockmask.h"
 #include "flexc/device.h"
 #include "flexc/error.h"

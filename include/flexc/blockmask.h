@@ -25,7 +25,8 @@ struct CUstream_st;
 namespace flexc {
 
 namespace detail {
-struct BlockMaskAccess;  // flexc's own code reaches the state through it (src/blockmask_impl.h)
+struct BlockMaskAccess;  // flexc's own code reaches the state through it
+                         // (src/blockmask/blockmask_impl.h)
 }
 
 // A captured tensor as the BlockMask builders read it, in its declared dtype (bf16 / fp16 as raw
@@ -126,7 +127,7 @@ class BlockMask {
   std::string to_string(int64_t max_rows = 32, int64_t max_cols = 32, int64_t max_heads = 4) const;
   const BlockMaskStats& stats() const;
 
-  struct State;  // defined in src/blockmask_impl.h; opaque outside flexc
+  struct State;  // defined in src/blockmask/blockmask_impl.h; opaque outside flexc
 
  private:
   friend struct detail::BlockMaskAccess;

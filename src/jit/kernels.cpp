@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "attention_kernel.h"
+#include "attention/attention_kernel.h"
 #include "flexc/error.h"
 
 namespace flexc::jit {

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "../../templates/gla_params.cuh"
-#include "../attention_checks.h"
 #include "../variant_impl.h"
+#include "attention/attention_checks.h"
 #include "dsl/analysis.h"
 #include "dsl/frontend.h"
 #include "flexc/error.h"

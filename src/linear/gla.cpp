@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "../../templates/gla_params.cuh"
-#include "attention_checks.h"
+#include "attention/attention_checks.h"
 #include "flexc/error.h"
 #include "flexc/linear.h"
 

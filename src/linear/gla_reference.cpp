@@ -11,7 +11,7 @@
 
 #include "flexc/error.h"
 #include "flexc/linear.h"
-#include "reference_common.h"
+#include "reference/reference_common.h"
 
 namespace flexc {
 

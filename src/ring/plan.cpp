@@ -6,7 +6,7 @@
 #include <numeric>
 #include <utility>
 
-#include "../blockmask_impl.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/error.h"
 #include "flexc/ring.h"
 

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "../../templates/attention_params.cuh"
-#include "../attention_checks.h"
-#include "../attention_kernel.h"
+#include "attention/attention_checks.h"
+#include "attention/attention_kernel.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "flexc/ring.h"

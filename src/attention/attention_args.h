@@ -1,6 +1,6 @@
 // A variant's call arguments (runtime params and captured tensors by name) checked against its
-// declarations and put in slot order, for the attention kernels (src/attention.cpp) and the CPU
-// reference (src/reference.cpp).
+// declarations and put in slot order, for the attention kernels (src/attention/attention.cpp) and
+// the CPU reference (src/reference/reference.cpp).
 #pragma once
 
 #include <cstdint>
@@ -10,8 +10,8 @@
 #include <string_view>
 #include <vector>
 
-#include "jit/abi.h"
 #include "flexc/tensor.h"
+#include "jit/abi.h"
 #include "variant_impl.h"
 
 namespace flexc::detail {

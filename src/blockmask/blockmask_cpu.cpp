@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "blockmask_impl.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/error.h"
 
 namespace flexc::detail {

@@ -1,12 +1,13 @@
 // The BlockMask on the device: the GPU builder (templates/blockmask.cuh) and the upload / download
 // of the lists. One allocation holds the eight arrays of FlexcBlockMask and, for a GPU build, the
 // tile-verdict grid and the uploaded work (boxes and captures).
-#include <algorithm>
-#include <cstring>
 #include <fmt/format.h>
 
-#include "attention_args.h"
-#include "blockmask_impl.h"
+#include <algorithm>
+#include <cstring>
+
+#include "attention/attention_args.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
 #include "jit/abi.h"
@@ -170,7 +171,7 @@ std::shared_ptr<DeviceMask> build_on_gpu(const MaskProblem& p, const Analysis& a
 
   flexc::DevicePtr grid = base + grid_at;
   flexc::DevicePtr full_boxes = base + work_at + full_at,
-                 full_prefix = base + work_at + full_prefix_at;
+                   full_prefix = base + work_at + full_prefix_at;
   flexc::DevicePtr und_boxes = base + work_at + und_at, und_prefix = base + work_at + und_prefix_at;
   int nh = int(p.nh), nqt = int(p.nqt), nkt = int(p.nkt), groups = int(p.groups());
   int n_full = int(a.full.size()), n_und = int(a.undecided.size());

@@ -13,13 +13,13 @@
 #include <optional>
 #include <unordered_map>
 
-#include "../templates/attention_params.cuh"
-#include "attention_args.h"
-#include "attention_checks.h"
-#include "attention_kernel.h"
-#include "blockmask_impl.h"
+#include "attention/attention_args.h"
+#include "attention/attention_checks.h"
+#include "attention/attention_kernel.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
+#include "templates/attention_params.cuh"
 
 // The host fills the struct the kernel receives by value: pin its layout (NVRTC lays plain
 // structs out like g++; a change here must be deliberate).
@@ -54,14 +54,20 @@ TileConfig fwd_config(int head_dim, int v_head_dim) {
   const int d_max = std::max(head_dim, v_head_dim);
   TileConfig c{};
   switch (d_max) {
-    case 96: c = {64, 64, 128, 2, 0}; break;
+    case 96:
+      c = {64, 64, 128, 2, 0};
+      break;
     case 192:
-    case 256: c = {64, 32, 128, 2, 0}; break;
-    default: c = {128, 64, 128, 2, 0}; break;  // 32, 64, 128
+    case 256:
+      c = {64, 32, 128, 2, 0};
+      break;
+    default:
+      c = {128, 64, 128, 2, 0};
+      break;  // 32, 64, 128
   }
   // Q (or O's staging, the wider), then the stages of K and V.
-  c.smem_bytes =
-      size_t(2) * (size_t(d_max) * c.block_m + size_t(c.stages) * c.block_n * (head_dim + v_head_dim));
+  c.smem_bytes = size_t(2) * (size_t(d_max) * c.block_m +
+                              size_t(c.stages) * c.block_n * (head_dim + v_head_dim));
   return c;
 }
 
@@ -143,8 +149,8 @@ bool fwd_sm90_persistent(const TileConfig& c, int head_dim, int v_head_dim, int6
   // Measured (docs/perf.md, "A persistent grid for short sequences"): +3-4% (no mask) and +8-13%
   // (causal) at D 128 and KV_LEN 1k; even at 4k, slower beyond (a CTA's K and V no longer stay
   // in L2 across items) and with D 64's three consumers (-4-8% at 1k).
-  return c.block_m == 128 && head_dim <= 128 && v_head_dim <= 128 && kv_len <= 2048 &&
-         sms > 0 && items > sms && items <= std::numeric_limits<int32_t>::max();
+  return c.block_m == 128 && head_dim <= 128 && v_head_dim <= 128 && kv_len <= 2048 && sms > 0 &&
+         items > sms && items <= std::numeric_limits<int32_t>::max();
 }
 
 int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim) {
@@ -248,9 +254,9 @@ std::optional<FlexcTensorMap> tile_map(const TensorView& t, int kv_dim, int q_di
   return encode_map(t, 2, dims, strides, box, "the tile load of ");
 }
 
-std::string hopper_misfit(std::string_view kernel, const std::function<TileConfig()>& config,
-                          const BlockMask* bm,
-                          std::initializer_list<std::pair<const char*, const TensorView*>> tensors) {
+std::string hopper_misfit(
+    std::string_view kernel, const std::function<TileConfig()>& config, const BlockMask* bm,
+    std::initializer_list<std::pair<const char*, const TensorView*>> tensors) {
   TileConfig c;
   try {
     c = config();
@@ -263,9 +269,10 @@ std::string hopper_misfit(std::string_view kernel, const std::function<TileConfi
                        bm->q_tile(), bm->kv_tile(), kernel, rows, c.block_n);
   for (auto [name, t] : tensors)
     if (!tma_fits(*t))
-      return fmt::format("the Hopper kernel needs a nonzero stride on every dim of {} longer than "
-                         "1 (below 2^39 elements); {}",
-                         name, t->describe());
+      return fmt::format(
+          "the Hopper kernel needs a nonzero stride on every dim of {} longer than "
+          "1 (below 2^39 elements); {}",
+          name, t->describe());
   return {};
 }
 
@@ -373,11 +380,13 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
     fail(fmt::format("v must be [B, Hkv, KV_LEN, Dv] = [{}, {}, {}, *] like k; got {}", B, Hkv,
                      kv_len, v.describe()));
   if (out.shape != std::vector<int64_t>{B, Hq, q_len, Dv})
-    fail(fmt::format("out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}] (q's, with v's head dim); "
-                     "got {}",
-                     B, Hq, q_len, Dv, out.describe()));
+    fail(
+        fmt::format("out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}] (q's, with v's head dim); "
+                    "got {}",
+                    B, Hq, q_len, Dv, out.describe()));
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
-    fail(fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
+    fail(
+        fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
   if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
   if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
     fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
@@ -403,8 +412,8 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   if (!(std::isfinite(scale) && scale > 0))
     fail(fmt::format("scale must be finite and > 0; got {}", scale));
   const detail::Positions pos =
-      detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
-                                opts.seq_q_len, opts.seq_kv_len, kMaxInt - 256);
+      detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset, opts.seq_q_len,
+                                opts.seq_kv_len, kMaxInt - 256);
   if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
   if (opts.accumulate && (out.dtype != DType::F32 || !opts.lse))
     fail(fmt::format("accumulate merges into a float32 out and its lse; out is {}{}",
@@ -433,8 +442,8 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
 
   const detail::DeviceLimits dev = detail::device_limits();
   if (dev.major < 8)
-    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
-                     dev.major, dev.minor));
+    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}", dev.major,
+                     dev.minor));
   // The Hopper kernel where it runs and has the head dim (and the BlockMask's tiles split into
   // its 128 x 128 ones, which the default tiles do); the portable one elsewhere.
   const bool hopper = detail::use_hopper(opts.kernel, dev, hopper_misfit, kWhat);

@@ -14,11 +14,11 @@
 #include <string_view>
 #include <utility>
 
-#include "../templates/attention_params.cuh"
 #include "dsl/emit_cuda.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 #include "jit/kernels.h"
+#include "templates/attention_params.cuh"
 
 namespace flexc::detail {
 

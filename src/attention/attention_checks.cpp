@@ -1,4 +1,4 @@
-#include "attention_checks.h"
+#include "attention/attention_checks.h"
 
 #include <fmt/format.h>
 
@@ -30,9 +30,9 @@ DeviceLimits device_limits() {
              "querying the GPU's compute capability");
   jit::check(d.cuDeviceGetAttribute(&l.minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
              "querying the GPU's compute capability");
-  jit::check(d.cuDeviceGetAttribute(&smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                                    dev),
-             "querying the GPU's shared memory per block");
+  jit::check(
+      d.cuDeviceGetAttribute(&smem, CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
+      "querying the GPU's shared memory per block");
   l.max_smem = static_cast<size_t>(smem);
   jit::check(d.cuDeviceGetAttribute(&l.sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
              "querying the GPU's multiprocessor count");
@@ -73,9 +73,10 @@ StreamBuffer::StreamBuffer(size_t bytes, CUstream stream, const WorkspaceAllocat
   if (alloc) {
     void* p = alloc(bytes);
     if (p == nullptr || reinterpret_cast<uintptr_t>(p) % 256 != 0)
-      throw Error(fmt::format("{}: the workspace allocator returned {} for {} bytes; flexc needs "
-                              "device memory aligned to 256 bytes",
-                              what, p, bytes));
+      throw Error(
+          fmt::format("{}: the workspace allocator returned {} for {} bytes; flexc needs "
+                      "device memory aligned to 256 bytes",
+                      what, p, bytes));
     ptr_ = reinterpret_cast<uintptr_t>(p);
     return;
   }
@@ -147,13 +148,14 @@ void check_qkv(std::string_view what, const char* name, const TensorView& t, DTy
     fail(fmt::format("{}: data must be 16-byte aligned", name));
 }
 
-void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B,
-                int64_t Hq, int64_t q_len) {
+void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B, int64_t Hq,
+                int64_t q_len) {
   if (t.dtype != DType::F32 || t.shape != std::vector<int64_t>{B, Hq, q_len} ||
       (!t.strides.empty() && t.strides != std::vector<int64_t>{Hq * q_len, q_len, 1}) ||
       t.data == nullptr || reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
-    throw Error(fmt::format("{}: {} must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}",
-                            what, name, B, Hq, q_len, t.describe()));
+    throw Error(
+        fmt::format("{}: {} must be contiguous float32 [B, Hq, Q_LEN] = [{}, {}, {}]; got {}", what,
+                    name, B, Hq, q_len, t.describe()));
 }
 
 bool is_empty(const TensorView& t) {
@@ -199,13 +201,13 @@ void check_block_mask(std::string_view what, const BlockMask& bm, int64_t B, int
       {"seq_kv_len", {bm.seq_kv_len(), pos.seq_kv_len}}};
   for (const auto& [name, v] : fields)
     if (v.first != v.second)
-      fail(fmt::format("block_mask was built with {} {}; the call has {}", name, v.first,
-                       v.second));
+      fail(
+          fmt::format("block_mask was built with {} {}; the call has {}", name, v.first, v.second));
   if (bm.nb() != 1 && bm.nb() != B)
     fail(fmt::format("block_mask has {} batches; the call has B = {} (1 broadcasts)", bm.nb(), B));
   if (bm.nh() != 1 && bm.nh() != Hq)
-    fail(fmt::format("block_mask has {} heads; the call has {} query heads (1 broadcasts)",
-                     bm.nh(), Hq));
+    fail(fmt::format("block_mask has {} heads; the call has {} query heads (1 broadcasts)", bm.nh(),
+                     Hq));
   if (!tiles_fit(bm, block_m, block_n))
     fail(fmt::format("block_mask tiles {} x {} must be multiples of the kernel's {} x {}",
                      bm.q_tile(), bm.kv_tile(), block_m, block_n));

@@ -7,14 +7,14 @@
 #include <cmath>
 #include <limits>
 
-#include "../templates/attention_params.cuh"
-#include "attention_args.h"
-#include "attention_checks.h"
-#include "attention_kernel.h"
-#include "blockmask_impl.h"
+#include "attention/attention_args.h"
+#include "attention/attention_checks.h"
+#include "attention/attention_kernel.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/attention.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
+#include "templates/attention_params.cuh"
 
 static_assert(offsetof(FlexcAttentionBwdParams, dout) == sizeof(FlexcAttentionParams) &&
               offsetof(FlexcAttentionBwdParams, dlse) == sizeof(FlexcAttentionParams) + 128 &&
@@ -28,7 +28,8 @@ TileConfig bwd_config(int head_dim) {
   // 64 kv rows per CTA (4 warps of 16: dK and dV of D = 128 take 128 registers a thread), 64 q
   // rows per step; shared memory: K, V, two stages of Q and dO, dS^T, two stages of LSE / delta.
   if (head_dim != 32 && head_dim != 64 && head_dim != 96 && head_dim != 128)
-    throw Error(fmt::format("the backward kernel has no head dim {} (32, 64, 96 or 128)", head_dim));
+    throw Error(
+        fmt::format("the backward kernel has no head dim {} (32, 64, 96 or 128)", head_dim));
   TileConfig c{64, 64, 128, 2, 0};
   c.smem_bytes = size_t(2) * head_dim * (2 * c.block_n + 2 * 2 * c.block_m) +
                  size_t(2) * c.block_n * c.block_m + 2 * 2 * size_t(4) * c.block_m;
@@ -64,9 +65,10 @@ namespace {
 
 void check_one_head_dim(std::string_view kernel, const KernelConfig& cfg) {
   if (cfg.v_head_dim != 0 && cfg.v_head_dim != cfg.head_dim)
-    throw Error(fmt::format("{}: v head dim {} differs from the head dim {} (the backward kernels "
-                            "need them equal)",
-                            kernel, cfg.v_head_dim, cfg.head_dim));
+    throw Error(
+        fmt::format("{}: v head dim {} differs from the head dim {} (the backward kernels "
+                    "need them equal)",
+                    kernel, cfg.v_head_dim, cfg.head_dim));
 }
 
 KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
@@ -118,9 +120,7 @@ KernelSpec attention_bwd_rows_spec(const KernelConfig& cfg) {
   return spec;
 }
 KernelSpec attention_bwd_spec(const KernelConfig& cfg) { return bwd_spec(cfg, false); }
-KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg) {
-  return bwd_spec(cfg, true);
-}
+KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg) { return bwd_spec(cfg, true); }
 KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg) { return bwd_sm90_spec(cfg, false); }
 KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg) {
   return bwd_sm90_spec(cfg, true);
@@ -141,18 +141,24 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
               const TensorView& lse, const TensorView& dout, const AttentionGrads& grads,
               const Variant& variant, const BackwardOptions& opts, bool enqueue) {
   const DType dtype = q.dtype;
-  const std::pair<const char*, const TensorView*> tensors[] = {
-      {"q", &q},         {"k", &k},         {"v", &v},        {"out", &out},
-      {"dout", &dout},   {"grads.dq", &grads.dq}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}};
+  const std::pair<const char*, const TensorView*> tensors[] = {{"q", &q},
+                                                               {"k", &k},
+                                                               {"v", &v},
+                                                               {"out", &out},
+                                                               {"dout", &dout},
+                                                               {"grads.dq", &grads.dq},
+                                                               {"grads.dk", &grads.dk},
+                                                               {"grads.dv", &grads.dv}};
   // The gradients: q's dtype, or all three float32 (unrounded: parts summed later, as ring
   // attention sums its blocks').
   for (auto [name, t] : tensors) detail::check_qkv(kWhat, name, *t, dtype, name[0] == 'g');
   const bool grads_f32 = grads.dq.dtype == DType::F32;
   for (auto [name, t] : {std::pair{"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}})
     if ((t->dtype == DType::F32) != grads_f32)
-      fail(fmt::format("{} is {} but grads.dq is {}: the three gradients are q's dtype or all "
-                       "float32",
-                       name, dtype_name(t->dtype), dtype_name(grads.dq.dtype)));
+      fail(
+          fmt::format("{} is {} but grads.dq is {}: the three gradients are q's dtype or all "
+                      "float32",
+                      name, dtype_name(t->dtype), dtype_name(grads.dq.dtype)));
   if (opts.accumulate && !grads_f32)
     fail(fmt::format("accumulate adds into float32 gradients; grads.dq, dk, dv are {}",
                      dtype_name(grads.dq.dtype)));
@@ -162,9 +168,10 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
     fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
                      k.describe()));
   if (v.shape[3] != D)
-    fail(fmt::format("v's head dim {} differs from q's and k's {}: the backward kernels need them "
-                     "equal (the forward takes any pair)",
-                     v.shape[3], D));
+    fail(
+        fmt::format("v's head dim {} differs from q's and k's {}: the backward kernels need them "
+                    "equal (the forward takes any pair)",
+                    v.shape[3], D));
   for (auto [name, t] : {std::pair{"v", &v}, {"grads.dk", &grads.dk}, {"grads.dv", &grads.dv}})
     if (t->shape != k.shape)
       fail(fmt::format("{} must have k's shape; k {}, {} {}", name, k.describe(), name,
@@ -174,7 +181,8 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
       fail(fmt::format("{} must have q's shape; q {}, {} {}", name, q.describe(), name,
                        t->describe()));
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
-    fail(fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
+    fail(
+        fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
   if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
   if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
     fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
@@ -199,15 +207,15 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
     if (detail::overlap(*o, lse)) fail(fmt::format("{} overlaps lse", name));
   }
   const detail::Positions pos =
-      detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset,
-                                opts.seq_q_len, opts.seq_kv_len, kMaxInt - 256);
+      detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset, opts.seq_q_len,
+                                opts.seq_kv_len, kMaxInt - 256);
   if (opts.block_mask)
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, pos, cfg.block_m,
                              cfg.block_n);
   // Why the Hopper kernel cannot take this call, whatever the GPU (empty: it can).
-  const std::string hopper_misfit =
-      detail::hopper_misfit("Hopper backward kernel", [&] { return detail::bwd_config_sm90(int(D)); },
-                            opts.block_mask, {{"q", &q}, {"dout", &dout}, {"k", &k}, {"v", &v}});
+  const std::string hopper_misfit = detail::hopper_misfit(
+      "Hopper backward kernel", [&] { return detail::bwd_config_sm90(int(D)); }, opts.block_mask,
+      {{"q", &q}, {"dout", &dout}, {"k", &k}, {"v", &v}});
   if (opts.kernel == FwdKernel::Hopper && !hopper_misfit.empty()) fail(hopper_misfit);
 
   const detail::VariantImpl& impl = detail::impl_of(variant);
@@ -234,16 +242,16 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
                        name, fmt::join(c.shape, ", "), g.describe()));
     for (size_t i = 0; i < c.rank(); ++i)
       if (c.shape[i] > 1 && g.stride(i) != c.stride(i))
-        fail(fmt::format("grads.captures['{}'] must have the capture's strides ({}); got {}",
-                         name, c.describe(), g.describe()));
+        fail(fmt::format("grads.captures['{}'] must have the capture's strides ({}); got {}", name,
+                         c.describe(), g.describe()));
     args.captures[slot].grad = static_cast<float*>(g.data);
   }
   if (q_len == 0 && kv_len == 0) return;
 
   const detail::DeviceLimits dev = detail::device_limits();
   if (dev.major < 8)
-    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
-                     dev.major, dev.minor));
+    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}", dev.major,
+                     dev.minor));
 
   // The Hopper main kernel where it runs and takes the call; prep and dq from the per-row unit
   // (no hook: it compiles in a fraction of the time, once for every variant), dq_rows from the
@@ -331,8 +339,8 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
                        unsigned(B), unsigned(main_cfg.threads), main_cfg.smem_bytes, opts.stream,
                        main_argv.data());
   if (q_len > 0 && deterministic)
-    kernels[2]->launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq),
-                       unsigned(B), unsigned(cfg.threads), dq_rows_smem, opts.stream, main_args);
+    kernels[2]->launch(unsigned((q_len + cfg.block_m - 1) / cfg.block_m), unsigned(Hq), unsigned(B),
+                       unsigned(cfg.threads), dq_rows_smem, opts.stream, main_args);
   else if (q_len > 0)
     kernels[2]->launch(unsigned((q_len * (D / 8) + 255) / 256), unsigned(Hq), unsigned(B), 256, 0,
                        opts.stream, prep_args);

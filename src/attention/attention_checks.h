@@ -1,5 +1,6 @@
 // Argument checks and device facts shared by the attention entry points (forward in
-// src/attention.cpp, backward in src/attention_backward.cpp). Each check throws flexc::Error
+// src/attention/attention.cpp, backward in src/attention/attention_backward.cpp). Each check throws
+// flexc::Error
 // "<what>: <message>", `what` naming the call ("flexc::attention").
 #pragma once
 
@@ -7,7 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "attention_args.h"
+#include "attention/attention_args.h"
 #include "flexc/attention.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
@@ -34,8 +35,8 @@ void check_qkv(std::string_view what, const char* name, const TensorView& t, DTy
                bool or_f32 = false);
 
 // A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse), 4-byte aligned.
-void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B,
-                int64_t Hq, int64_t q_len);
+void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B, int64_t Hq,
+                int64_t q_len);
 
 // No elements (tested per dim: numel() can overflow on shapes not yet bounded).
 bool is_empty(const TensorView& t);

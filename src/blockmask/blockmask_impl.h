@@ -8,12 +8,12 @@
 #include <mutex>
 #include <optional>
 #include <span>
-#include <utility>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
-#include "attention_args.h"
+#include "attention/attention_args.h"
 #include "dsl/analysis.h"
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"

@@ -1,15 +1,16 @@
 // The BlockMask's build problem (validated inputs) and its interval analysis: boxes of tiles are
 // decided by dsl::interval_verdict, so the cost follows the mask's boundary, not its area.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <bit>
 #include <cmath>
 #include <deque>
-#include <fmt/format.h>
 #include <limits>
 
-#include "attention_args.h"
-#include "blockmask_impl.h"
+#include "attention/attention_args.h"
+#include "blockmask/blockmask_impl.h"
 #include "flexc/error.h"
 #include "variant_impl.h"
 
@@ -167,8 +168,10 @@ std::pair<double, double> CaptureRanges::scan(int64_t r, int64_t lo, int64_t hi)
   };
   auto same = [](auto x) { return double(x); };
   switch (t_.dtype) {
-    case dsl::DType::I32: return minmax(static_cast<const int32_t*>(t_.data), same);
-    case dsl::DType::F32: return minmax(static_cast<const float*>(t_.data), same);
+    case dsl::DType::I32:
+      return minmax(static_cast<const int32_t*>(t_.data), same);
+    case dsl::DType::F32:
+      return minmax(static_cast<const float*>(t_.data), same);
     case dsl::DType::BF16:
       return minmax(static_cast<const uint16_t*>(t_.data),
                     [](uint16_t x) { return double(bf16_to_float(x)); });

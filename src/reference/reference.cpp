@@ -1,15 +1,16 @@
 // The float64 CPU reference for flexc::attention (see include/flexc/reference.h).
 #include "flexc/reference.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
-#include <fmt/format.h>
 #include <limits>
 
-#include "attention_args.h"
-#include "reference_common.h"
+#include "attention/attention_args.h"
 #include "dsl/analysis.h"
 #include "flexc/error.h"
+#include "reference/reference_common.h"
 
 namespace flexc {
 
@@ -43,23 +44,26 @@ ReferenceInputs check_reference_inputs(const VariantImpl& impl, const ReferenceP
   if (!p.kv_lens.empty() || !p.q_offsets.empty()) {
     if (p.kv_lens.size() != static_cast<size_t>(B) ||
         (!p.q_offsets.empty() && p.q_offsets.size() != static_cast<size_t>(B)))
-      throw Error(fmt::format("{}: kv_lens ({}) and q_offsets ({}, or none) need one value per "
-                              "batch ({})",
-                              what, p.kv_lens.size(), p.q_offsets.size(), B));
+      throw Error(
+          fmt::format("{}: kv_lens ({}) and q_offsets ({}, or none) need one value per "
+                      "batch ({})",
+                      what, p.kv_lens.size(), p.q_offsets.size(), B));
     for (int64_t len : p.kv_lens)
       if (len < 0 || len > Lkv)
-        throw Error(fmt::format("{}: kv_lens value {} is outside [0, KV_LEN = {}]", what, len, Lkv));
+        throw Error(
+            fmt::format("{}: kv_lens value {} is outside [0, KV_LEN = {}]", what, len, Lkv));
   }
   if (!p.kv_lens.empty() &&
       (p.q_offset != 0 || p.kv_offset != 0 || p.seq_q_len != 0 || p.seq_kv_len != 0))
-    throw Error(fmt::format("{}: q_offset, kv_offset, seq_q_len and seq_kv_len are for prefill "
-                            "(decode takes kv_lens and q_offsets)",
-                            what));
+    throw Error(
+        fmt::format("{}: q_offset, kv_offset, seq_q_len and seq_kv_len are for prefill "
+                    "(decode takes kv_lens and q_offsets)",
+                    what));
   // Decode positions index one sequence: captures' Q_LEN dims are the cache's length.
-  in.pos = p.kv_lens.empty() ? resolve_positions(what, Lq, Lkv, p.q_offset, p.kv_offset,
-                                                 p.seq_q_len, p.seq_kv_len,
-                                                 std::numeric_limits<int32_t>::max())
-                             : Positions{0, 0, Lkv, Lkv};
+  in.pos = p.kv_lens.empty()
+               ? resolve_positions(what, Lq, Lkv, p.q_offset, p.kv_offset, p.seq_q_len,
+                                   p.seq_kv_len, std::numeric_limits<int32_t>::max())
+               : Positions{0, 0, Lkv, Lkv};
   const auto views =
       resolve_captures(impl, p.captures, {B, Hq, in.pos.seq_q_len, in.pos.seq_kv_len}, what);
   in.captures.resize(views.size());
@@ -168,10 +172,10 @@ ReferenceResult reference_attention(const Variant& v, const ReferenceProblem& p)
 }
 
 std::string Accuracy::summary() const {
-  return fmt::format("out rmse {:.3g} (ref {:.3g}), lse rmse {:.3g} (ref {:.3g}), {} bad, {} masked "
-                     "rows: {}",
-                     out_rmse, out_ref_rmse, lse_rmse, lse_ref_rmse, bad, masked_rows,
-                     pass ? "PASS" : "FAIL");
+  return fmt::format(
+      "out rmse {:.3g} (ref {:.3g}), lse rmse {:.3g} (ref {:.3g}), {} bad, {} masked "
+      "rows: {}",
+      out_rmse, out_ref_rmse, lse_rmse, lse_ref_rmse, bad, masked_rows, pass ? "PASS" : "FAIL");
 }
 
 Accuracy check_accuracy(const ReferenceResult& r, std::span<const float> out,
@@ -179,7 +183,8 @@ Accuracy check_accuracy(const ReferenceResult& r, std::span<const float> out,
   const size_t n = r.rows.size();
   const size_t D = n ? r.gold_out.size() / n : 0;
   if (out.size() != n * D)
-    throw Error(fmt::format("check_accuracy: {} output values for {} rows of {}", out.size(), n, D));
+    throw Error(
+        fmt::format("check_accuracy: {} output values for {} rows of {}", out.size(), n, D));
   if (!lse.empty() && lse.size() != n)
     throw Error(fmt::format("check_accuracy: {} LSE values for {} rows", lse.size(), n));
   Accuracy a;

@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "attention_args.h"
+#include "attention/attention_args.h"
 #include "dsl/analysis.h"
 #include "flexc/reference.h"
 #include "variant_impl.h"

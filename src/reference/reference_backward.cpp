@@ -1,14 +1,15 @@
 // The float64 CPU reference for flexc::attention_backward, and its tolerance rule (see
 // include/flexc/reference.h).
+#include <fmt/format.h>
+
 #include <atomic>
 #include <cmath>
-#include <fmt/format.h>
 #include <limits>
 
 #include "dsl/analysis.h"
 #include "flexc/error.h"
 #include "flexc/reference.h"
-#include "reference_common.h"
+#include "reference/reference_common.h"
 
 namespace flexc {
 
@@ -16,14 +17,16 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-void add(double& x, double v) { std::atomic_ref<double>(x).fetch_add(v, std::memory_order_relaxed); }
+void add(double& x, double v) {
+  std::atomic_ref<double>(x).fetch_add(v, std::memory_order_relaxed);
+}
 
 // score_mod's value and derivatives at one element, in float64 (gold) and float32 (ref).
 struct Derivatives {
-  dsl::Graph graph;                         // the score_mod with its derivatives added
-  dsl::NodeId dscore = 0;                   // d score_mod / d score
-  std::vector<dsl::LoadDerivative> loads;   // d score_mod / d each differentiable load
-  dsl::NodeId last = 0;                     // every node to evaluate is at or below it
+  dsl::Graph graph;                        // the score_mod with its derivatives added
+  dsl::NodeId dscore = 0;                  // d score_mod / d score
+  std::vector<dsl::LoadDerivative> loads;  // d score_mod / d each differentiable load
+  dsl::NodeId last = 0;                    // every node to evaluate is at or below it
   bool identity = false;
 };
 
@@ -45,7 +48,7 @@ Derivatives derivatives(const detail::VariantImpl& impl) {
 // One element (row, kv_idx) of the backward: P and dS in gold and ref, and where each
 // differentiable load's gradient goes with its derivative.
 struct Element {
-  bool gold = false, ref = false;  // does it contribute (unmasked, P > 0)?
+  bool gold = false, ref = false;          // does it contribute (unmasked, P > 0)?
   double p = 0, dscore = 0, ds = 0;        // gold: P, P (dP - delta), dscore d score_mod
   double dscore_mag = 0, ds_mag = 0;       // the same with |dP| + |delta| for dP - delta
   double p16 = 0, dscore32 = 0, ds16 = 0;  // ref: the same at the kernel's rounding points
@@ -74,7 +77,8 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
   if (!bp.dlse.empty()) check_size("dlse", bp.dlse.size(), rows);
   if (bp.out.empty() != bp.lse.empty())
     throw Error(fmt::format("{}: give both out and lse, or neither", what));
-  if (!bp.out.empty()) check_size("out", bp.out.size(), rows * D), check_size("lse", bp.lse.size(), rows);
+  if (!bp.out.empty())
+    check_size("out", bp.out.size(), rows * D), check_size("lse", bp.lse.size(), rows);
 
   // Per row: LSE and delta = rowsum(dout * out) - dlse, gold and ref (float32, as the kernel).
   std::vector<double> lse_g(rows), lse_r(rows), delta_g(rows, 0), delta_r(rows, 0);
@@ -127,7 +131,9 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
 
   const float scale32 = static_cast<float>(in.scale);
   const auto at_q = [&](int64_t b, int64_t h, int64_t i) { return ((b * Hq + h) * Lq + i) * D; };
-  const auto at_kv = [&](int64_t b, int64_t hk, int64_t j) { return ((b * Hkv + hk) * Lkv + j) * D; };
+  const auto at_kv = [&](int64_t b, int64_t hk, int64_t j) {
+    return ((b * Hkv + hk) * Lkv + j) * D;
+  };
 
   // Computes element (b, h, i, j) into e; env and scratch belong to the calling thread.
   const auto element = [&](dsl::EvalEnv& env, std::vector<dsl::Value>& scratch, int64_t b,
@@ -138,8 +144,8 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
     const float* v = p.v.data() + at_kv(b, hk, j);
     const float* dout = bp.dout.data() + at_q(b, h, i);
     e.gold = e.ref = false;
-    env.ints = {0, b, h, in.pos.q_offset + i, in.pos.kv_offset + j, in.pos.seq_q_len,
-                in.pos.seq_kv_len};
+    env.ints = {
+        0, b, h, in.pos.q_offset + i, in.pos.kv_offset + j, in.pos.seq_q_len, in.pos.seq_kv_len};
     if (!all_true && dsl::evaluate(mask, env, dsl::Precision::F32, scratch).i == 0) return;
     double dot = 0, dp = 0;
     for (int64_t d = 0; d < D; ++d) dot += double(q[d]) * k[d], dp += double(dout[d]) * v[d];
@@ -151,7 +157,8 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
       dsl::evaluate(der.graph, der.last, env, dsl::Precision::F64, scratch);
       s = scratch[der.graph.root].f, grad = scratch[der.dscore].f;
       for (size_t l = 0; l < nloads; ++l) {
-        e.offsets[l] = dsl::load_offset(der.graph[der.loads[l].load], scratch.data(), load_shape[l], {});
+        e.offsets[l] =
+            dsl::load_offset(der.graph[der.loads[l].load], scratch.data(), load_shape[l], {});
         e.dload[l] = scratch[der.loads[l].derivative].f;
       }
       env.score = x32;
@@ -170,7 +177,8 @@ ReferenceBackward reference_attention_backward(const Variant& variant,
     if (s32 != -kInf && lse_r[row] != -kInf) {
       const float p32 = static_cast<float>(std::exp(s32 - lse_r[row]));
       e.p16 = detail::round_to(p.dtype, p32);
-      e.dscore32 = static_cast<float>(p32 * static_cast<float>(static_cast<float>(dp) - delta_r[row]));
+      e.dscore32 =
+          static_cast<float>(p32 * static_cast<float>(static_cast<float>(dp) - delta_r[row]));
       // The kernels' order: (P d score_mod / d score) (dP - delta) (online_softmax.cuh).
       e.ds16 = detail::round_to(
           p.dtype, static_cast<float>(static_cast<float>(p32 * grad32) *

@@ -2,19 +2,20 @@
 // and its combine.
 #include "flexc/decode.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <fmt/format.h>
 #include <limits>
 #include <vector>
 
-#include "../templates/attention_params.cuh"
-#include "attention_args.h"
-#include "attention_checks.h"
-#include "attention_kernel.h"
+#include "attention/attention_args.h"
+#include "attention/attention_checks.h"
+#include "attention/attention_kernel.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
+#include "templates/attention_params.cuh"
 
 // The host fills the struct the kernel receives by value: pin its layout.
 static_assert(offsetof(FlexcDecodeParams, q_stride) == 80 &&
@@ -106,8 +107,8 @@ void check_device_args(const KvCache& c, int64_t B, int64_t q_len, int64_t capac
       fail(fmt::format("kv_lens[{}] = {} is outside [0, {}] (the cache's capacity{})", b, lens[b],
                        capacity, c.page_table ? ": page_table width x page size" : ""));
     if (c.q_offsets && (offsets[b] < 0 || int64_t(offsets[b]) + q_len > capacity))
-      fail(fmt::format("q_offsets[{}] = {}: the queries' positions [{}, {}) must lie in [0, {})",
-                       b, offsets[b], offsets[b], int64_t(offsets[b]) + q_len, capacity));
+      fail(fmt::format("q_offsets[{}] = {}: the queries' positions [{}, {}) must lie in [0, {})", b,
+                       offsets[b], offsets[b], int64_t(offsets[b]) + q_len, capacity));
   }
   if (!c.page_table) return;
   const TensorView& pt = *c.page_table;
@@ -120,16 +121,18 @@ void check_device_args(const KvCache& c, int64_t B, int64_t q_len, int64_t capac
     for (int64_t i = 0; i < used; ++i) {
       const int32_t page = table[b * row + i];
       if (page < 0 || page >= num_pages)
-        fail(fmt::format("page_table[{}, {}] = {} is outside [0, {}) (k's pages), and kv_lens[{}] "
-                         "= {} uses it",
-                         b, i, page, num_pages, b, lens[b]));
+        fail(
+            fmt::format("page_table[{}, {}] = {} is outside [0, {}) (k's pages), and kv_lens[{}] "
+                        "= {} uses it",
+                        b, i, page, num_pages, b, lens[b]));
     }
   }
 }
 
 }  // namespace
 
-int decode_splits(int64_t batch, int64_t kv_heads, int64_t row_blocks, int64_t max_kv_len, int sms) {
+int decode_splits(int64_t batch, int64_t kv_heads, int64_t row_blocks, int64_t max_kv_len,
+                  int sms) {
   // FlashAttention's num_splits_heuristic: no split when the CTAs already fill most of a wave
   // (two CTAs per SM); else the fewest splits whose wave efficiency is within 95% of the best
   // (FlashAttention: 85%; a memory-bound kernel loses what an SM with one CTA leaves unread:
@@ -169,15 +172,16 @@ void run_decode(const TensorView& q, const KvCache& cache, const TensorView& out
   const int64_t Hkv = k.shape[1], Dv = v.shape[3];
   const bool paged = cache.page_table.has_value();
   if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
-    fail(fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {} (cache.k's "
-                     "dim 1)",
-                     B, Hq, Hkv));
+    fail(
+        fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {} (cache.k's "
+                    "dim 1)",
+                    B, Hq, Hkv));
   if (B > 65535) fail(fmt::format("B = {} must be at most 65535", B));
   if (k.shape[3] != D)
     fail(fmt::format("cache.k's head dim {} differs from q's {}", k.shape[3], D));
   if (v.shape[0] != k.shape[0] || v.shape[1] != Hkv || v.shape[2] != k.shape[2])
-    fail(fmt::format("cache.v must match cache.k but for the head dim: {} against {}",
-                     v.describe(), k.describe()));
+    fail(fmt::format("cache.v must match cache.k but for the head dim: {} against {}", v.describe(),
+                     k.describe()));
   if (out.shape != std::vector<int64_t>{B, Hq, q_len, Dv})
     fail(fmt::format("out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}]; got {}", B, Hq, q_len, Dv,
                      out.describe()));
@@ -194,15 +198,17 @@ void run_decode(const TensorView& q, const KvCache& cache, const TensorView& out
     if (pt.dtype != DType::I32 || pt.rank() != 2 || pt.shape[0] != B || pt.shape[1] < 1 ||
         pt.stride(1) != 1 || pt.stride(0) < 0 || pt.data == nullptr ||
         reinterpret_cast<uintptr_t>(pt.data) % 4 != 0)
-      fail(fmt::format("cache.page_table must be int32 [B, MAX_PAGES] = [{}, *] with MAX_PAGES >= 1 "
-                       "and contiguous rows; got {}",
-                       B, pt.describe()));
+      fail(
+          fmt::format("cache.page_table must be int32 [B, MAX_PAGES] = [{}, *] with MAX_PAGES >= 1 "
+                      "and contiguous rows; got {}",
+                      B, pt.describe()));
     capacity = pt.shape[1] * page_size;
   } else {
     if (k.shape[0] != B)
-      fail(fmt::format("a contiguous cache.k must be [B, Hkv, CAPACITY, D] with B = {}; got {} "
-                       "(a paged cache needs cache.page_table)",
-                       B, k.describe()));
+      fail(
+          fmt::format("a contiguous cache.k must be [B, Hkv, CAPACITY, D] with B = {}; got {} "
+                      "(a paged cache needs cache.page_table)",
+                      B, k.describe()));
     capacity = k.shape[2];
   }
   if (capacity > kMaxInt - 256)
@@ -243,12 +249,13 @@ void run_decode(const TensorView& q, const KvCache& cache, const TensorView& out
 
   const detail::DeviceLimits dev = detail::device_limits();
   if (dev.major < 8)
-    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}",
-                     dev.major, dev.minor));
+    fail(fmt::format("needs a GPU of compute capability 8.0 or newer; this one is {}.{}", dev.major,
+                     dev.minor));
   if (cfg.smem_bytes > dev.max_smem)
-    fail(fmt::format("head dims {} / {} need {} KiB of shared memory per block; this GPU allows "
-                     "{} KiB",
-                     D, Dv, cfg.smem_bytes / 1024, dev.max_smem / 1024));
+    fail(
+        fmt::format("head dims {} / {} need {} KiB of shared memory per block; this GPU allows "
+                    "{} KiB",
+                    D, Dv, cfg.smem_bytes / 1024, dev.max_smem / 1024));
   const int64_t row_blocks = (rows + cfg.rows - 1) / cfg.rows;
   if (row_blocks * Hkv > 65535)
     fail(fmt::format("Q_LEN x Hq = {} query rows need too many blocks", rows * Hkv));

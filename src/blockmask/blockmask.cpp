@@ -1,10 +1,11 @@
 // flexc::BlockMask: construction (analytic + CPU or GPU), validation of user lists, inspection.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
-#include <fmt/format.h>
 #include <limits>
 
-#include "blockmask_impl.h"
+#include "blockmask/blockmask_impl.h"
 #include "file_read.h"
 #include "flexc/device.h"
 #include "flexc/error.h"
@@ -44,10 +45,10 @@ void check_mask_bytes(std::string_view what, int64_t groups, int64_t nqt, int64_
   const auto tiles = static_cast<uint64_t>(groups * nqt * nkt);
   const uint64_t bytes = 17 * tiles + 8 * static_cast<uint64_t>(groups * (nqt + nkt));
   if (bytes > limit)
-    throw Error(fmt::format(
-        "{}: {} groups x {} x {} tiles need {} of lists; the limit is {} "
-        "(BlockMaskOptions::max_bytes); use larger tiles",
-        what, groups, nqt, nkt, human_size(bytes), human_size(limit)));
+    throw Error(
+        fmt::format("{}: {} groups x {} x {} tiles need {} of lists; the limit is {} "
+                    "(BlockMaskOptions::max_bytes); use larger tiles",
+                    what, groups, nqt, nkt, human_size(bytes), human_size(limit)));
 }
 
 }  // namespace detail
@@ -102,8 +103,8 @@ BlockMask create_block_mask(const Variant& v, int64_t B, int64_t H, int64_t q_le
                             const BlockMaskOptions& opts, CUstream_st* stream) {
   const auto t0 = Clock::now();
   const MaskProblem p = detail::resolve_problem(v, B, H, q_len, kv_len, opts);
-  const bool gpu =
-      opts.device == BuildDevice::Gpu || (opts.device == BuildDevice::Auto && flexc::gpu_available());
+  const bool gpu = opts.device == BuildDevice::Gpu ||
+                   (opts.device == BuildDevice::Auto && flexc::gpu_available());
   if (gpu && !flexc::gpu_available())
     throw Error(fmt::format("create_block_mask for '{}': device = gpu, but no GPU is available",
                             p.variant_name));
@@ -235,9 +236,12 @@ int64_t BlockMask::count(TileKind k) const {
     return n;
   };
   switch (k) {
-    case TileKind::Full: return sum(m.full_kv_num);
-    case TileKind::Partial: return sum(m.kv_num);
-    case TileKind::Empty: return s_->stats.tiles - sum(m.full_kv_num) - sum(m.kv_num);
+    case TileKind::Full:
+      return sum(m.full_kv_num);
+    case TileKind::Partial:
+      return sum(m.kv_num);
+    case TileKind::Empty:
+      return s_->stats.tiles - sum(m.full_kv_num) - sum(m.kv_num);
   }
   return 0;
 }

@@ -1,8 +1,9 @@
-#include "attention_args.h"
+#include "attention/attention_args.h"
+
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
-#include <fmt/format.h>
 #include <limits>
 
 #include "dsl/analysis.h"
@@ -20,11 +21,16 @@ std::string suggestion(std::string_view name, const std::vector<std::string>& na
 
 int64_t resolve_dim(const dsl::Dim& d, const CallDims& c) {
   switch (d.kind) {
-    case dsl::Dim::Fixed: return d.extent;
-    case dsl::Dim::B: return c.B;
-    case dsl::Dim::H: return c.H;
-    case dsl::Dim::QLen: return c.q_len;
-    case dsl::Dim::KvLen: return c.kv_len;
+    case dsl::Dim::Fixed:
+      return d.extent;
+    case dsl::Dim::B:
+      return c.B;
+    case dsl::Dim::H:
+      return c.H;
+    case dsl::Dim::QLen:
+      return c.q_len;
+    case dsl::Dim::KvLen:
+      return c.kv_len;
   }
   return 0;
 }
@@ -33,22 +39,32 @@ int64_t resolve_dim(const dsl::Dim& d, const CallDims& c) {
 
 dsl::DType to_dsl(DType d) {
   switch (d) {
-    case DType::BF16: return dsl::DType::BF16;
-    case DType::F16: return dsl::DType::F16;
-    case DType::F32: return dsl::DType::F32;
-    case DType::I32: return dsl::DType::I32;
-    case DType::Bool: return dsl::DType::Bool;
+    case DType::BF16:
+      return dsl::DType::BF16;
+    case DType::F16:
+      return dsl::DType::F16;
+    case DType::F32:
+      return dsl::DType::F32;
+    case DType::I32:
+      return dsl::DType::I32;
+    case DType::Bool:
+      return dsl::DType::Bool;
   }
   return dsl::DType::F32;
 }
 
 DType from_dsl(dsl::DType d) {
   switch (d) {
-    case dsl::DType::BF16: return DType::BF16;
-    case dsl::DType::F16: return DType::F16;
-    case dsl::DType::F32: return DType::F32;
-    case dsl::DType::I32: return DType::I32;
-    case dsl::DType::Bool: return DType::Bool;
+    case dsl::DType::BF16:
+      return DType::BF16;
+    case dsl::DType::F16:
+      return DType::F16;
+    case dsl::DType::F32:
+      return DType::F32;
+    case dsl::DType::I32:
+      return DType::I32;
+    case dsl::DType::Bool:
+      return DType::Bool;
   }
   return DType::F32;
 }
@@ -156,13 +172,12 @@ std::vector<const TensorView*> resolve_captures(
     auto it = by_name.find(d.name);
     if (it == by_name.end()) {
       if (read[slot])
-        throw Error(fmt::format("{}: '{}' reads capture '{}': pass it in captures", what, v.name,
-                                d.name));
+        throw Error(
+            fmt::format("{}: '{}' reads capture '{}': pass it in captures", what, v.name, d.name));
       continue;
     }
     const TensorView& t = it->second;
-    if (t.data == nullptr)
-      throw Error(fmt::format("{}: capture '{}' has no data", what, d.name));
+    if (t.data == nullptr) throw Error(fmt::format("{}: capture '{}' has no data", what, d.name));
     check_capture(d, t, dims, what);
     out[slot] = &t;
   }
