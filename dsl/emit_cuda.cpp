@@ -672,7 +672,7 @@ std::string value_hook(const Graph& g, const Decls& decls, std::string_view mark
 // Column loads: a hook's capture loads whose indices read kv_idx but neither q_idx nor the score
 // (score_mod's per-key bias, mask_mod's document id of the key), at most kMaxColumnLoads of each
 // hook's, in node order. The Hopper kernel's loader warps stage them for a whole kv tile in shared
-// memory (templates/attention_tile.cuh, StagedColumns), once per column; score_mod_cols and
+// memory (templates/tile/attention_tile.cuh, StagedColumns), once per column; score_mod_cols and
 // mask_mod_cols read them from there.
 std::vector<NodeId> column_loads(const Graph& g) {
   std::vector<NodeId> out;
@@ -807,11 +807,11 @@ std::string columns_hook(const Graph& g, const Decls& decls, std::string_view ma
 // (`kv_idx - q_idx` or `q_idx - kv_idx`), and b, h, the lengths, params and captures otherwise: a
 // T5 bucketed bias, a decay in |q_idx - kv_idx|, a relative-position table. A tile of R rows and
 // C columns holds only R + C - 1 differences, so the forward kernels tabulate each term once per
-// tile in shared memory (templates/attention_tile.cuh, RelTable) and score_mod_cols reads it back:
-// one shared load per score instead of the term's math. Terms are the largest such subexpressions
-// (used by a node that reads the score or an index directly), at most kMaxRelTerms, those whose
-// per-score work weighs at least kRelMinCost: two operations (alibi's slope[h] * (kv_idx -
-// q_idx), a conversion and a multiply, ran 6-13% faster from the table; docs/perf.md).
+// tile in shared memory (templates/tile/attention_tile.cuh, RelTable) and score_mod_cols reads it
+// back: one shared load per score instead of the term's math. Terms are the largest such
+// subexpressions (used by a node that reads the score or an index directly), at most kMaxRelTerms,
+// those whose per-score work weighs at least kRelMinCost: two operations (alibi's slope[h] *
+// (kv_idx - q_idx), a conversion and a multiply, ran 6-13% faster from the table; docs/perf.md).
 constexpr int kRelMinCost = 2;
 
 bool is_difference(const Graph& g, const Node& n) {

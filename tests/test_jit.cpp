@@ -241,6 +241,12 @@ TEST_CASE("compile keys are stable and follow variant, template, headers, define
     CHECK(differs(v, eval_spec()));
     fs::remove(tdir.path / file);
   }
+  // A template in a folder of the directory (templates/ as in the tree), included by its name.
+  fs::create_directories(tdir.path / "tile");
+  write_all(tdir.path / "tile" / "flexc_hooks.cuh", *template_text("flexc_hooks.cuh") + "\n// x\n");
+  reset_cache();
+  CHECK(differs(v, eval_spec()));
+  fs::remove_all(tdir.path / "tile");
   reset_cache();
   CHECK(compile(v, eval_spec()).key == k);
 }

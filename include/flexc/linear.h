@@ -163,7 +163,7 @@ class LinearVariant {
 // needed when `arch` is named): the forward module (chunkwise forward and the step) and the
 // backward module, for inputs of `dtype` ("bf16" / "fp16"), head dims dk, dv (64 or 128) and
 // gates of `gate_dtype` ("float32", "bf16", "fp16"; unused without gates); with a feature map
-// also its module (templates/gla_feature_map.cuh).
+// also its module (templates/linear/gla_feature_map.cuh).
 std::vector<CompiledKernel> compile_linear_kernels(const LinearVariant& v, std::string_view arch,
                                                    std::string_view dtype, int dk, int dv,
                                                    std::string_view gate_dtype = "float32");
@@ -203,9 +203,9 @@ LinearReferenceResult reference_linear_attention(const LinearReferenceProblem& p
 
 // The backward's oracle: the gradients of sum(out * dout) + sum(final_state * dstate). `gold`
 // differentiates the recurrence in float64; `ref` is linear_attention_backward's chunkwise
-// computation (templates/gla_backward.cuh) in float64, rounded where it rounds (its operands,
-// A and dA, the chunk states and state gradients to the input type, the gradients to their
-// types) unless exact_ref. dout [B, H, T, DV]; dstate [B, H, DK, DV] or empty.
+// computation (templates/linear/gla_backward.cuh) in float64, rounded where it rounds (its
+// operands, A and dA, the chunk states and state gradients to the input type, the gradients to
+// their types) unless exact_ref. dout [B, H, T, DV]; dstate [B, H, DK, DV] or empty.
 struct LinearGradientValues {
   std::vector<double> dq, dk, dv;  // q's, k's, v's shapes (k and v summed over the heads sharing them)
   std::vector<double> dg;          // g's shape; empty without gates

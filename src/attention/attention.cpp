@@ -1,5 +1,6 @@
-// flexc::attention: validation, kernel choice, launch. The kernels are templates/attention_fwd.cuh
-// (portable) and templates/attention_fwd_sm90.cuh (Hopper).
+// flexc::attention: validation, kernel choice, launch. The kernels are
+// templates/attention/attention_fwd.cuh (portable) and templates/attention/attention_fwd_sm90.cuh
+// (Hopper).
 #include "flexc/attention.h"
 
 #include <fmt/format.h>
@@ -19,7 +20,7 @@
 #include "blockmask/blockmask_impl.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
-#include "templates/attention_params.cuh"
+#include "templates/attention/attention_params.cuh"
 
 // The host fills the struct the kernel receives by value: pin its layout (NVRTC lays plain
 // structs out like g++; a change here must be deliberate).
@@ -462,7 +463,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
                                 cfg, int(D), int(Dv), kv_len,
                                 (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
   // score_mod's [Q_LEN, KV_LEN] tile load by TMA on Hopper, where the capture's layout and shared
-  // memory allow (templates/attention_fwd_sm90.cuh, kTileTma).
+  // memory allow (templates/attention/attention_fwd_sm90.cuh, kTileTma).
   const dsl::LaunchFacts& facts = impl.facts;
   // Dynamic shared memory: the tiles', the hooks', and with tile loads by TMA theirs.
   const auto smem_of = [&](bool tma) {
@@ -484,7 +485,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   // Wide kv tiles where the hooks stage nothing per tile (at D 128 beside the identity only:
   // softcap and sigmoid-bound gallery variants lost 2-4% there), without a BlockMask or over one
   // whose kv tiles are wider (a kernel tile then straddles at most two: KvStraddle in
-  // templates/attention_tile.cuh), with tile indices below 2^24 (the schedule's words).
+  // templates/tile/attention_tile.cuh), with tile indices below 2^24 (the schedule's words).
   const int wide_n = detail::fwd_sm90_wide_n(int(D), int(Dv));
   kc.wide_kv = hopper && wide_n > 0 && !kc.persistent && !kc.tile_tma && cfg.block_m == 128 &&
                (!opts.block_mask || opts.block_mask->kv_tile() > wide_n) &&
@@ -549,7 +550,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   }
   const unsigned q_tiles = unsigned((q_len + cfg.block_m - 1) / cfg.block_m);
   // A CTA per work item (q tile, head, batch), or one per SM looping over them
-  // (templates/attention_fwd_sm90.cuh, Items).
+  // (templates/attention/attention_fwd_sm90.cuh, Items).
   if (kc.persistent) {
     kernel->launch(unsigned(std::min<int64_t>(dev.sms, int64_t(q_tiles) * Hq * B)), 1, 1,
                    unsigned(cfg.threads), smem, opts.stream, argv.data());

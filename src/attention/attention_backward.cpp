@@ -1,6 +1,6 @@
 // flexc::attention_backward: validation, workspace, launch of the main kernel
-// (templates/attention_bwd.cuh or attention_bwd_sm90.cuh) between the per-row kernels of
-// templates/attention_bwd_rows.cuh (prep, then dq or the deterministic build's dq_rows).
+// (templates/attention/attention_bwd.cuh or attention_bwd_sm90.cuh) between the per-row kernels of
+// templates/attention/attention_bwd_rows.cuh (prep, then dq or the deterministic build's dq_rows).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include "flexc/attention.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
-#include "templates/attention_params.cuh"
+#include "templates/attention/attention_params.cuh"
 
 static_assert(offsetof(FlexcAttentionBwdParams, dout) == sizeof(FlexcAttentionParams) &&
               offsetof(FlexcAttentionBwdParams, dlse) == sizeof(FlexcAttentionParams) + 128 &&
@@ -38,11 +38,11 @@ TileConfig bwd_config(int head_dim) {
 
 TileConfig bwd_config_sm90(int head_dim) {
   // A producer warpgroup and two consumers of 64 kv rows (128 per CTA, the default BlockMask
-  // tile), 64 q rows per step; shared memory (templates/attention_bwd_sm90.cuh): K, V, two stages
-  // of Q and dO, two buffers of the CTA's dS^T (128 x 64), each consumer's float32 half of dQ
-  // (64 x D / 2), two stages of LSE / delta rows, 5 mbarriers, and 1024 bytes to align the tiles
-  // for wgmma's swizzle. The deterministic build leaves out dS^T and dQ but is launched with the
-  // same size.
+  // tile), 64 q rows per step; shared memory (templates/attention/attention_bwd_sm90.cuh): K, V,
+  // two stages of Q and dO, two buffers of the CTA's dS^T (128 x 64), each consumer's float32 half
+  // of dQ (64 x D / 2), two stages of LSE / delta rows, 5 mbarriers, and 1024 bytes to align the
+  // tiles for wgmma's swizzle. The deterministic build leaves out dS^T and dQ but is launched with
+  // the same size.
   if (head_dim != 64 && head_dim != 128)
     throw Error(fmt::format("the Hopper backward kernel has no head dim {} (64 or 128)", head_dim));
   TileConfig c{64, 128, 128 * 3, 2, 0};
@@ -291,7 +291,7 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
   const int64_t rows = B * Hq * q_len;
   // delta, and (unless deterministic) the float32 dQ accumulator, 256-byte aligned (the Hopper
   // kernel adds into it with bulk copies) in blocks of 64 q rows per head (DqAccum in
-  // templates/attention_tile.cuh).
+  // templates/tile/attention_tile.cuh).
   const int64_t delta_floats = (rows + 63) / 64 * 64;
   const int64_t dq_floats = deterministic ? 0 : B * Hq * ((q_len + 63) / 64 * 64) * D;
   const detail::StreamBuffer work(static_cast<size_t>(delta_floats + dq_floats) * sizeof(float),

@@ -1,8 +1,9 @@
 // The attention kernels' compile-time configurations, chosen per head dim, and their KernelSpecs
-// for the JIT: templates/attention_fwd.cuh (portable, mma.sync, sm_80+),
-// templates/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a), templates/attention_bwd.cuh
-// (portable backward), templates/attention_bwd_sm90.cuh (Hopper backward) and
-// templates/attention_bwd_rows.cuh (the backward's per-row kernels).
+// for the JIT: templates/attention/attention_fwd.cuh (portable, mma.sync, sm_80+),
+// templates/attention/attention_fwd_sm90.cuh (Hopper, wgmma, sm_90a),
+// templates/attention/attention_bwd.cuh (portable backward),
+// templates/attention/attention_bwd_sm90.cuh (Hopper backward) and
+// templates/attention/attention_bwd_rows.cuh (the backward's per-row kernels).
 #pragma once
 
 #include <cstddef>
@@ -18,7 +19,7 @@
 #include "flexc/blockmask.h"
 #include "flexc/tensor.h"
 #include "jit/kernels.h"
-#include "templates/attention_params.cuh"
+#include "templates/attention/attention_params.cuh"
 
 namespace flexc::detail {
 
@@ -51,12 +52,12 @@ int fwd_sm90_block_m(int head_dim, int v_head_dim, int64_t kv_len, bool mask_alw
 // (dsl::LaunchFacts): two 256-word tables per relative term, for each of the Hopper kernel's
 // consumers or for the portable kernel's CTA, and on Hopper per stage a word per key and column
 // load (the staged column loads). At most 14 KiB, which every configuration above leaves room
-// for (templates/attention_fwd_sm90.cuh asserts it).
+// for (templates/attention/attention_fwd_sm90.cuh asserts it).
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper);
 
 // How much the Hopper forward kernel's shared memory grows when score_mod's tile load comes by
-// TMA (templates/attention_fwd_sm90.cuh, kTileTma): a block_m x block_n tile of 16-bit values and
-// two barriers per stage, less O's own staging (O goes over Q then). May be negative.
+// TMA (templates/attention/attention_fwd_sm90.cuh, kTileTma): a block_m x block_n tile of 16-bit
+// values and two barriers per stage, less O's own staging (O goes over Q then). May be negative.
 int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_dim);
 // score_mod's tile load from capture `t` as the 2-D TMA map the Hopper forward kernel takes
 // (kTileTma): the capture seen as rows of its q dim's stride (`q_dim`), the keys along its
@@ -81,17 +82,17 @@ int fwd_sm90_q_chunks(const TileConfig& c, int head_dim, int v_head_dim);
 // Whether the Hopper forward kernel has a configuration for this head dim.
 bool fwd_sm90_supports(int head_dim);
 
-// The backward kernel's (templates/attention_bwd.cuh); throws flexc::Error for a head dim it does
-// not support.
+// The backward kernel's (templates/attention/attention_bwd.cuh); throws flexc::Error for a head dim
+// it does not support.
 TileConfig bwd_config(int head_dim);
 // Shared memory of the deterministic mode's dQ kernel (flexc_attention_bwd_dq_rows).
 size_t bwd_dq_rows_smem(int head_dim);
-// The Hopper backward kernel's (templates/attention_bwd_sm90.cuh); throws flexc::Error for a head
-// dim it does not support (64 and 128 only).
+// The Hopper backward kernel's (templates/attention/attention_bwd_sm90.cuh); throws flexc::Error
+// for a head dim it does not support (64 and 128 only).
 TileConfig bwd_config_sm90(int head_dim);
 
-// The decode kernel's (templates/attention_decode.cuh) for head dims D / Dv and `rows` query rows
-// per kv head (Q_LEN x Hq / Hkv): 16 x mt rows per CTA, `stages` K / V stages.
+// The decode kernel's (templates/attention/attention_decode.cuh) for head dims D / Dv and `rows`
+// query rows per kv head (Q_LEN x Hq / Hkv): 16 x mt rows per CTA, `stages` K / V stages.
 struct DecodeConfig {
   int mt = 1, rows = 16, stages = 3, block_n = 64;
   size_t smem_bytes = 0;
@@ -115,31 +116,31 @@ std::string hopper_misfit(std::string_view kernel, const std::function<TileConfi
 
 namespace flexc::jit {
 
-// templates/attention_fwd.cuh for cfg.dtype and cfg.head_dim:
+// templates/attention/attention_fwd.cuh for cfg.dtype and cfg.head_dim:
 //   flexc_attention_fwd(FlexcAttentionParams p, FlexcArgs args, FlexcBlockMask bm)
 KernelSpec attention_fwd_spec(const KernelConfig& cfg);
-// templates/attention_fwd_sm90.cuh, same arguments, built for sm_90a (cfg.arch empty, sm_90 or
-// sm_90a; anything else is an error).
+// templates/attention/attention_fwd_sm90.cuh, same arguments, built for sm_90a (cfg.arch empty,
+// sm_90 or sm_90a; anything else is an error).
 KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg);
-// templates/attention_bwd.cuh, entry flexc_attention_bwd:
+// templates/attention/attention_bwd.cuh, entry flexc_attention_bwd:
 //   (FlexcAttentionBwdParams p, FlexcArgs args, FlexcBlockMask bm)
 // The deterministic build leaves dQ out and holds flexc_attention_bwd_dq_rows (the same
 // arguments), which computes it.
 KernelSpec attention_bwd_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_deterministic_spec(const KernelConfig& cfg);
-// templates/attention_bwd_sm90.cuh (sm_90a), entry flexc_attention_bwd_sm90: the main kernel's
-// arguments, then the TMA descriptors of q, dout, k and v. The deterministic build leaves dQ to
-// attention_bwd_deterministic_spec's flexc_attention_bwd_dq_rows.
+// templates/attention/attention_bwd_sm90.cuh (sm_90a), entry flexc_attention_bwd_sm90: the main
+// kernel's arguments, then the TMA descriptors of q, dout, k and v. The deterministic build leaves
+// dQ to attention_bwd_deterministic_spec's flexc_attention_bwd_dq_rows.
 KernelSpec attention_bwd_sm90_spec(const KernelConfig& cfg);
 KernelSpec attention_bwd_sm90_deterministic_spec(const KernelConfig& cfg);
-// templates/attention_bwd_rows.cuh, entry flexc_attention_bwd_prep (delta; the dQ accumulator
-// zeroed), and in the same compile flexc_attention_bwd_dq (dQ from the accumulator): both take the
-// FlexcAttentionBwdParams alone. No hook: the unit is the same for every variant (cfg's dtype,
-// head dim and float32 outputs only).
+// templates/attention/attention_bwd_rows.cuh, entry flexc_attention_bwd_prep (delta; the dQ
+// accumulator zeroed), and in the same compile flexc_attention_bwd_dq (dQ from the accumulator):
+// both take the FlexcAttentionBwdParams alone. No hook: the unit is the same for every variant
+// (cfg's dtype, head dim and float32 outputs only).
 KernelSpec attention_bwd_rows_spec(const KernelConfig& cfg);
 
-// templates/attention_decode.cuh: flexc_attention_decode(FlexcDecodeParams p, FlexcArgs args)
-// with `mt` 16-row tiles of query rows per CTA (1 or 2; the plain spec: 1). The same compile
+// templates/attention/attention_decode.cuh: flexc_attention_decode(FlexcDecodeParams p, FlexcArgs
+// args) with `mt` 16-row tiles of query rows per CTA (1 or 2; the plain spec: 1). The same compile
 // holds flexc_attention_combine(FlexcCombineParams), which merges the kv splits.
 KernelSpec attention_decode_spec(const KernelConfig& cfg, int mt);
 KernelSpec attention_decode_spec(const KernelConfig& cfg);

@@ -1,5 +1,5 @@
-// flexc::decode: validation, the split rule, workspace and launch of templates/attention_decode.cuh
-// and its combine.
+// flexc::decode: validation, the split rule, workspace and launch of
+// templates/attention/attention_decode.cuh and its combine.
 #include "flexc/decode.h"
 
 #include <fmt/format.h>
@@ -15,7 +15,7 @@
 #include "attention/attention_kernel.h"
 #include "flexc/error.h"
 #include "jit/driver_api.h"
-#include "templates/attention_params.cuh"
+#include "templates/attention/attention_params.cuh"
 
 // The host fills the struct the kernel receives by value: pin its layout.
 static_assert(offsetof(FlexcDecodeParams, q_stride) == 80 &&

@@ -1,6 +1,6 @@
-// The BlockMask on the device: the GPU builder (templates/blockmask.cuh) and the upload / download
-// of the lists. One allocation holds the eight arrays of FlexcBlockMask and, for a GPU build, the
-// tile-verdict grid and the uploaded work (boxes and captures).
+// The BlockMask on the device: the GPU builder (templates/blockmask/blockmask.cuh) and the upload /
+// download of the lists. One allocation holds the eight arrays of FlexcBlockMask and, for a GPU
+// build, the tile-verdict grid and the uploaded work (boxes and captures).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,7 +42,7 @@ struct DeviceMask {
 namespace {
 
 constexpr size_t kAlign = 16;
-// Launch shapes; they must match the constants of templates/blockmask.cuh.
+// Launch shapes; they must match the constants of templates/blockmask/blockmask.cuh.
 constexpr unsigned kPaintThreads = 256, kPaintPerThread = 16, kClassifyThreads = 256,
                    kListThreads = 32 * 32;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }

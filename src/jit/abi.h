@@ -6,7 +6,7 @@
 
 #include <cstddef>
 
-#include "../../templates/flexc_hooks.cuh"
+#include "templates/flexc_hooks.cuh"
 
 static_assert(sizeof(FlexcCapture) == 64 && offsetof(FlexcCapture, grad) == 8 &&
               offsetof(FlexcCapture, shape) == 16 && offsetof(FlexcCapture, stride) == 32);

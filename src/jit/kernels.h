@@ -29,11 +29,11 @@ struct KernelConfig {
   // that stage nothing per tile; over a BlockMask a tile may straddle two of its tiles.
   bool wide_kv = false;
   // The attention kernels (forward, backward): rows at any positions, the sequence's lengths
-  // given (FlexcAttentionParams; templates/attention_tile.cuh, kPositions).
+  // given (FlexcAttentionParams; templates/tile/attention_tile.cuh, kPositions).
   bool positions = false;
   // The attention kernels' outputs (forward: O; backward: dQ, dK, dV) in float32, unrounded
-  // (templates/attention_tile.cuh, kF32Out); with f32_out, `accumulate` adds the backward's into
-  // them and merges the forward's into O and its LSE (kAddOut): ring attention's blocks.
+  // (templates/tile/attention_tile.cuh, kF32Out); with f32_out, `accumulate` adds the backward's
+  // into them and merges the forward's into O and its LSE (kAddOut): ring attention's blocks.
   bool f32_out = false, accumulate = false;
 };
 
@@ -61,12 +61,13 @@ std::vector<const KnownKernel*> kernels_for_arch(std::string_view arch);
 KernelSpec mods_eval_spec(const KernelConfig& cfg);
 KernelSpec blockmask_classify_spec(const KernelConfig& cfg);
 
-// The attention kernels' builds (forward and backward alike, templates/attention_tile.cuh):
+// The attention kernels' builds (forward and backward alike, templates/tile/attention_tile.cuh):
 // FLEXC_POSITIONS (cfg.positions) and FLEXC_F32_OUT, appended to `defines`.
 void add_build_defines(const KernelConfig& cfg,
                        std::vector<std::pair<std::string, std::string>>& defines);
-// FLEXC_F32_OUT alone (templates/attention_layout.cuh; 0: outputs in the input type; 1: float32,
-// cfg.f32_out; 2: float32 added / merged into, cfg.accumulate), for kernels that read no position.
+// FLEXC_F32_OUT alone (templates/tile/attention_layout.cuh; 0: outputs in the input type; 1:
+// float32, cfg.f32_out; 2: float32 added / merged into, cfg.accumulate), for kernels that read no
+// position.
 void add_f32_out_define(const KernelConfig& cfg,
                         std::vector<std::pair<std::string, std::string>>& defines);
 

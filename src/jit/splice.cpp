@@ -18,8 +18,14 @@ namespace fs = std::filesystem;
 
 std::optional<std::string> template_text(std::string_view name) {
   if (const char* dir = std::getenv("FLEXC_TEMPLATE_DIR"); dir && *dir) {
-    std::ifstream f(fs::path(dir) / name, std::ios::binary);
-    if (f) return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    // The file of that name in the directory or its folders (templates/ as it is in the tree).
+    std::error_code ec;
+    for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      if (it->path().filename() != name || !it->is_regular_file(ec)) continue;
+      std::ifstream f(it->path(), std::ios::binary);
+      if (f)
+        return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    }
   }
   for (const detail::EmbeddedFile& e : detail::embedded_files())
     if (e.kind == "template" && e.name == name) return std::string(e.text);

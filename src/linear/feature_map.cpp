@@ -1,13 +1,12 @@
 // flexc::FeatureMap: a linear-attention feature map phi on q and k, an expression of x in flexc's
 // language, checked by the DSL front end and run three ways: the float64 interpreter (the
-// reference), and the JIT kernels of templates/gla_feature_map.cuh (phi(x) into a buffer, and
-// dq, dk scaled by phi'(x) in place) from the same emitted hooks as a score_mod's.
+// reference), and the JIT kernels of templates/linear/gla_feature_map.cuh (phi(x) into a buffer,
+// and dq, dk scaled by phi'(x) in place) from the same emitted hooks as a score_mod's.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <string>
 
-#include "../../templates/gla_params.cuh"
 #include "../variant_impl.h"
 #include "attention/attention_checks.h"
 #include "dsl/analysis.h"
@@ -16,6 +15,7 @@
 #include "flexc/linear.h"
 #include "gla.h"
 #include "jit/jit.h"
+#include "templates/linear/gla_params.cuh"
 
 namespace flexc {
 

@@ -1,5 +1,5 @@
 // flexc::linear_attention and flexc::linear_attention_step: validation, configuration and launch
-// of templates/gla.cuh.
+// of templates/linear/gla.cuh.
 #include "gla.h"
 
 #include <fmt/format.h>
@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "../../templates/gla_params.cuh"
 #include "attention/attention_checks.h"
 #include "flexc/error.h"
 #include "flexc/linear.h"
+#include "templates/linear/gla_params.cuh"
 
 static_assert(offsetof(FlexcGlaParams, q_stride) == 96 && offsetof(FlexcGlaParams, batch) == 224 &&
               sizeof(FlexcGlaParams) == 248);
@@ -430,7 +430,7 @@ void linear_attention_backward(const TensorView& q, const TensorView& k, const T
     states.launch(states_grid, unsigned(s.H), unsigned(s.B), 128, detail::gla_states_smem(),
                   opts.stream, args);
   }
-  // The state gradients: the same pass backwards over Qexp and dO (templates/gla_chunk.cuh).
+  // The state gradients: the same pass backwards over Qexp and dO (templates/linear/gla_chunk.cuh).
   FlexcGlaParams rp = p;
   rp.khat = p.qexp, rp.v = dout.data, rp.k_heads = p.heads;
   for (int i = 0; i < 3; ++i) rp.v_stride[i] = dout.stride(i);

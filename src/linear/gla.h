@@ -1,4 +1,4 @@
-// Gated linear attention's kernels (templates/gla.cuh) from the host: their compile-time
+// Gated linear attention's kernels (templates/linear/gla.cuh) from the host: their compile-time
 // configuration and KernelSpecs. The entry points are in include/flexc/linear.h.
 #pragma once
 
@@ -21,8 +21,8 @@ struct GlaConfig {
   int dk = 128, dv = 128;
   GateType gate = GateType::F32;
   bool scalar_gate = false;  // one gate per step, or none (the gates' key-dim stride 0)
-  // templates/gla_backward.cuh (entry flexc_gla_backward; the compile also holds
-  // flexc_gla_prepare, _states, _dstates, _dg_scan, _dg and _reduce), else templates/gla.cuh
+  // templates/linear/gla_backward.cuh (entry flexc_gla_backward; the compile also holds
+  // flexc_gla_prepare, _states, _dstates, _dg_scan, _dg and _reduce), else templates/linear/gla.cuh
   // (entry flexc_gla_output; also flexc_gla_prepare, _states and _step).
   bool backward = false;
 };
@@ -36,7 +36,7 @@ size_t gla_states_smem();
 // The JIT compiles every kernel for a variant; the linear kernels read none of it.
 const Variant& gla_variant();
 
-// A feature map's kernels (templates/gla_feature_map.cuh; the variant: feature_map_variant).
+// A feature map's kernels (templates/linear/gla_feature_map.cuh; the variant: feature_map_variant).
 jit::KernelSpec feature_map_spec(DType dtype, std::string arch);
 // y = phi(x) (grad: y *= phi'(x), y a gradient), x and y [n0, n1, n2, d] in one 16-bit type,
 // contiguous rows; enqueued on `stream`.

@@ -63,13 +63,13 @@ void gold_head(const Head& x, double* out, double* state) {
   std::copy(S.begin(), S.end(), state);
 }
 
-// templates/gla.cuh's chunkwise algorithm, rounded where it rounds (unless exact_ref).
+// templates/linear/gla.cuh's chunkwise algorithm, rounded where it rounds (unless exact_ref).
 void ref_head(const Head& x, double* out, double* state) {
   const LinearReferenceProblem& p = x.p;
   const auto rnd = [&](double v) { return p.exact_ref ? v : detail::round_to(p.dtype, v); };
   const double steep_bound = (p.dtype == DType::BF16 ? 80.0 : 8.0) / std::log2(std::exp(1.0));
   const int64_t DK = p.dk, DV = p.dv;
-  // One gate per step or none: the kernels' scalar path (templates/gla.cuh, kScalar).
+  // One gate per step or none: the kernels' scalar path (templates/linear/gla.cuh, kScalar).
   const bool scalar = p.g.empty() || !p.per_dim_gates;
   std::vector<double> S(size_t(DK * DV)), S16(S.size()), gc(size_t(kChunk * DK));
   for (int64_t d = 0; d < DK; ++d)
@@ -181,9 +181,9 @@ double check_problem(const LinearReferenceProblem& p, const char* what) {
   return p.scale.value_or(1.0 / std::sqrt(double(p.dk)));
 }
 
-// templates/gla_backward.cuh's chunkwise backward of one head, rounded where it rounds (unless
-// exact_ref): dq, dg (per key dim and token, before any sum over dims) and dh0 into `r`; this
-// head's dk, dv (float32 in the kernel; the caller sums a group's and rounds) into dk_h, dv_h.
+// templates/linear/gla_backward.cuh's chunkwise backward of one head, rounded where it rounds
+// (unless exact_ref): dq, dg (per key dim and token, before any sum over dims) and dh0 into `r`;
+// this head's dk, dv (float32 in the kernel; the caller sums a group's and rounds) into dk_h, dv_h.
 void ref_backward_head(const Head& x, std::span<const float> dout, std::span<const float> dstate,
                        LinearGradientValues& r, std::vector<double>& dk_h,
                        std::vector<double>& dv_h, std::vector<double>& db) {

@@ -1,7 +1,7 @@
 // flexc::RingAttention: ring attention's forward over NCCL (docs/ring.md). Each step computes this
 // rank's (query chunk, K/V chunk) blocks of the shard it holds with flexc::attention at global
-// positions, folds them into float32 accumulators (templates/attention_combine.cuh), and passes
-// the shard on to the next rank on a stream of its own while the blocks run.
+// positions, folds them into float32 accumulators (templates/tile/attention_combine.cuh), and
+// passes the shard on to the next rank on a stream of its own while the blocks run.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -9,7 +9,6 @@
 #include <optional>
 #include <vector>
 
-#include "../../templates/attention_params.cuh"
 #include "attention/attention_checks.h"
 #include "attention/attention_kernel.h"
 #include "flexc/device.h"
@@ -18,6 +17,7 @@
 #include "jit/driver_api.h"
 #include "jit/jit.h"
 #include "nccl.h"
+#include "templates/attention/attention_params.cuh"
 
 namespace flexc {
 

@@ -1,8 +1,9 @@
-// Standalone harness for templates/attention_fwd.cuh: plain nvcc, no JIT, a hand-written variant
-// (tools/dev/flexc_variant.cuh). `check` compares against a float64 CPU reference on random
+// Standalone harness for templates/attention/attention_fwd.cuh: plain nvcc, no JIT, a hand-written
+// variant (tools/dev/flexc_variant.cuh). `check` compares against a float64 CPU reference on random
 // inputs (tolerance rule of docs/attention.md), `bench` prints TFLOP/s on the anchors' shapes.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -Itemplates -Itools/dev \
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Xptxas -v -Itemplates -Itemplates/tile \
+//        -Itemplates/attention -Itools/dev \
 //        -DFLEXC_DEV_VARIANT=1 -DFLEXC_HEAD_DIM=128 -DFLEXC_BF16=1 -DFLEXC_BLOCK_M=128 \
 //        -DFLEXC_BLOCK_N=64 -DFLEXC_WARPS=4 -DFLEXC_STAGES=2 tools/dev/attention_fwd_dev.cu -o fwd
 //   ./fwd check && ./fwd bench

@@ -29,7 +29,7 @@ name() { set -- $1; echo "v$1_d$2_b$3_m$4_n$5_w$6_s$7"; }
 build() {
   set -- $1
   local n; n=$(name "$*")
-  [ -x "$bin/$n" ] || nvcc -std=c++17 -O3 -arch=$arch -Itemplates -Itools/dev -DFLEXC_DEV_VARIANT=$1 \
+  [ -x "$bin/$n" ] || nvcc -std=c++17 -O3 -arch=$arch -Itemplates -Itemplates/tile -Itemplates/attention -Itools/dev -DFLEXC_DEV_VARIANT=$1 \
     -DFLEXC_HEAD_DIM=$2 -DFLEXC_BF16=$3 -DFLEXC_BLOCK_M=$4 -DFLEXC_BLOCK_N=$5 -DFLEXC_WARPS=$6 \
     -DFLEXC_STAGES=$7 tools/dev/attention_fwd_dev.cu -o "$bin/$n" >>"$log" 2>&1 \
     || echo "BUILD FAILED $n" | tee -a "$log"

@@ -39,7 +39,8 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int c = lane * 2; c < kD; c += 64) {
     const unsigned ov = *reinterpret_cast<const unsigned*>(o + c);
     const unsigned dv = *reinterpret_cast<const unsigned*>(d + c);
-    sum += unpack_lo<kBf16>(ov) * unpack_lo<kBf16>(dv) + unpack_hi<kBf16>(ov) * unpack_hi<kBf16>(dv);
+    sum +=
+        unpack_lo<kBf16>(ov) * unpack_lo<kBf16>(dv) + unpack_hi<kBf16>(ov) * unpack_hi<kBf16>(dv);
   }
 #pragma unroll
   for (int m = 16; m >= 1; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);

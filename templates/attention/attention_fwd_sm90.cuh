@@ -73,8 +73,8 @@ static_assert(kQChunks >= 0 && kQChunks <= kD / 16, "at most all of Q's chunks")
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
 constexpr int kConsumers = kBlockM / 64;
 constexpr int kThreads = 128 * (1 + kConsumers);  // the host launches as many
-constexpr int kNT = kBlockN / 8;  // n8 column tiles of S per warp
-constexpr int kDT = kDv / 8;      // n8 column tiles of O per warp
+constexpr int kNT = kBlockN / 8;                  // n8 column tiles of S per warp
+constexpr int kDT = kDv / 8;                      // n8 column tiles of O per warp
 
 constexpr bool head_dim_ok(int d) { return d == 64 || d == 96 || d == 128 || d == 192 || d == 256; }
 static_assert(head_dim_ok(kD) && head_dim_ok(kDv), "head dims 64, 96, 128, 192 or 256");
@@ -121,8 +121,8 @@ constexpr bool kSeparateO = kD <= 128 && kDv <= 128 && !kTileTma && !kWide;
 constexpr int kQBytes = kSeparateO || QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kOBytes = kSeparateO ? OTile::kBytes : 0;
 // score_mod's and mask_mod's column loads, staged per kv tile in shared memory by the producer's
-// warps 1-3 (the loaders), in stages beside K's and V's: the consumers then hold no registers for them across
-// their waits (D 64's 160 registers need that).
+// warps 1-3 (the loaders), in stages beside K's and V's: the consumers then hold no registers for
+// them across their waits (D 64's 160 registers need that).
 constexpr int kLoaders = 96;
 using Staged = flexc_attn::StagedColumns<kBlockN>;
 constexpr bool kStaging = Staged::kBytes > 0;
@@ -144,8 +144,7 @@ static_assert(128 * (kLaunchRegs - kProducerRegs) >=
               "register reallocation must balance");
 // Named barriers: 0 is __syncthreads; then per consumer its turns, its epilogue, its relative-term
 // tables.
-constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers,
-              kRelBarrier = 1 + 2 * kConsumers;
+constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers, kRelBarrier = 1 + 2 * kConsumers;
 static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
 
 using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3, kWide>;
@@ -158,13 +157,21 @@ struct Smem {
   __device__ __forceinline__ unsigned q_full() const { return bars; }
   __device__ __forceinline__ unsigned k_full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ unsigned v_full(int s) const { return bars + 8 * (1 + kStages + s); }
-  __device__ __forceinline__ unsigned k_empty(int s) const { return bars + 8 * (1 + 2 * kStages + s); }
-  __device__ __forceinline__ unsigned v_empty(int s) const { return bars + 8 * (1 + 3 * kStages + s); }
+  __device__ __forceinline__ unsigned k_empty(int s) const {
+    return bars + 8 * (1 + 2 * kStages + s);
+  }
+  __device__ __forceinline__ unsigned v_empty(int s) const {
+    return bars + 8 * (1 + 3 * kStages + s);
+  }
   // The staged loads: stage s's kv index published (by the producer thread, once the stage is
   // free), its loads landed (the loaders), its reads done (every consumer thread).
   __device__ __forceinline__ unsigned t_go(int s) const { return bars + 8 * (1 + 4 * kStages + s); }
-  __device__ __forceinline__ unsigned t_full(int s) const { return bars + 8 * (1 + 5 * kStages + s); }
-  __device__ __forceinline__ unsigned t_empty(int s) const { return bars + 8 * (1 + 6 * kStages + s); }
+  __device__ __forceinline__ unsigned t_full(int s) const {
+    return bars + 8 * (1 + 5 * kStages + s);
+  }
+  __device__ __forceinline__ unsigned t_empty(int s) const {
+    return bars + 8 * (1 + 6 * kStages + s);
+  }
   __device__ __forceinline__ unsigned t_tile(int s) const { return t + s * Staged::kBytes; }
   __device__ __forceinline__ unsigned staged_kv(int s) const { return ring + 4 * (kRing + s); }
   __device__ __forceinline__ unsigned staged_head(int s) const {
@@ -407,7 +414,7 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
 // Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): the column loads of each kv tile the
 // producer thread hands over, until it hands over kEnd.
 __device__ __forceinline__ void load_staged(const Smem& sm, const FlexcAttentionParams& p,
-                                           const FlexcArgs& args, int tid) {
+                                            const FlexcArgs& args, int tid) {
   for (int j = 0;; ++j) {
     const int s = j % kStages;
     mbar_wait(sm.t_go(s), (j / kStages) & 1);
@@ -497,9 +504,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     }
     return;
   }
-  regs_inc<kConsumerRegs>();  // paid for by the producer's decrease: see kLaunchRegs
-  const int cw = wg - 1;                                     // consumer 0, 1 (or 2)
-  const int q_rows = cw * 64;                                // its first row in the Q tile
+  regs_inc<kConsumerRegs>();   // paid for by the producer's decrease: see kLaunchRegs
+  const int cw = wg - 1;       // consumer 0, 1 (or 2)
+  const int q_rows = cw * 64;  // its first row in the Q tile
   const int warp = (static_cast<int>(threadIdx.x) >> 5) - 4;  // warp among the consumers
   const float to_log2 = flexc_attn::units_log2(p);
   // Round robin: consumer c issues its products after consumer c - 1 issued its own. Per work
@@ -681,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     // Hooks and softmax of tile jt (stage st) in s (left as probabilities); whether O must be
     // rescaled. A tile empty for these rows contributes nothing: apply_mods masks it whole in
     // its edge branch. Its staged loads are read here, and released.
-    auto softmax_tile = [&](int jt, int st, float (&alpha)[1][2]) {
+    auto softmax_tile = [&](int jt, int st, float(&alpha)[1][2]) {
       if constexpr (kStaging) {
         mbar_wait(sm.t_full(st), (jt / kStages) & 1);
         cols.staged = Staged::view(q_smem + (sm.t_tile(st) - sm.q));

@@ -1,6 +1,6 @@
-// What the gated linear attention kernels share (templates/gla.cuh: forward and step;
-// templates/gla_backward.cuh): the compile-time configuration, gate loads, tiles, and the two
-// passes every chunkwise call makes: flexc_gla_prepare (per chunk: gc, Khat, decays, and for
+// What the gated linear attention kernels share (templates/linear/gla.cuh: forward and step;
+// templates/linear/gla_backward.cuh): the compile-time configuration, gate loads, tiles, and the
+// two passes every chunkwise call makes: flexc_gla_prepare (per chunk: gc, Khat, decays, and for
 // the backward q * exp(gc)) and the sequential state passes (flexc_gla_states forward over the
 // chunks, flexc_gla_dstates backward over them). See gla.cuh for the algorithm.
 //
@@ -37,8 +37,8 @@ __device__ __forceinline__ float gate_raw(const FlexcGlaParams& p, int b, int h,
   if constexpr (kGate == 0) {
     return 0.f;
   } else {
-    const long long o = b * p.g_stride[0] + h * p.g_stride[1] + t * p.g_stride[2] +
-                        d * p.g_stride[3];
+    const long long o =
+        b * p.g_stride[0] + h * p.g_stride[1] + t * p.g_stride[2] + d * p.g_stride[3];
     if constexpr (kGate == 1) {
       return __ldg(static_cast<const float*>(p.g) + o);
     } else {
@@ -140,8 +140,8 @@ extern "C" __global__ void __launch_bounds__(4 * flexc_gla::kDK)
   }
   const long long bh = static_cast<long long>(b) * p.heads + h;
   if (grp == 0) p.decay[(bh * p.chunks + n) * kDK + d] = exp2_approx(total * kLog2e);
-  const unsigned short* kp = static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] +
-                             hk * p.k_stride[1] + d;
+  const unsigned short* kp =
+      static_cast<const unsigned short*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + d;
   const long long row = bh * p.chunks * kChunk + r0;
   unsigned short* kh = static_cast<unsigned short*>(p.khat) + row * kDK + d;
   float* gout = p.gcum + row * kGcCols + d;
@@ -156,16 +156,15 @@ extern "C" __global__ void __launch_bounds__(4 * flexc_gla::kDK)
         pack2<kBf16>(k * exp2_approx((total - g) * kLog2e), 0.f) & 0xffffu);
   }
   if (p.qexp) {
-    const unsigned short* qp = static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] +
-                               h * p.q_stride[1] + d;
+    const unsigned short* qp =
+        static_cast<const unsigned short*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1] + d;
     unsigned short* qe = static_cast<unsigned short*>(p.qexp) + row * kDK + d;
 #pragma unroll
     for (int r = 0; r < kSub; ++r) {
       const int t = r0 + r;
       const float qv = unpack_lo<kBf16>(__ldg(qp + min(t, p.seq_len - 1) * p.q_stride[2]));
       qe[r * kDK] = static_cast<unsigned short>(
-          pack2<kBf16>(t < p.seq_len ? p.scale * qv * exp2_approx((gc[r] + offset) * kLog2e)
-                                     : 0.f,
+          pack2<kBf16>(t < p.seq_len ? p.scale * qv * exp2_approx((gc[r] + offset) * kLog2e) : 0.f,
                        0.f) &
           0xffffu);
     }
@@ -184,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(4 * flexc_gla::kDK)
 // states = the per-chunk D_n, ht = dL / d initial state.
 namespace flexc_gla {
 constexpr int kStatesStages = kFlexcGlaStatesStages, kStateCols = kFlexcGlaStateCols;
-using KhatTile = SmemTile<kChunk, 64>;          // 64 tokens x 64 key dims
+using KhatTile = SmemTile<kChunk, 64>;            // 64 tokens x 64 key dims
 using VSliceTile = SmemTile<kChunk, kStateCols>;  // 64 tokens x the slice's value dims
 constexpr int kStatesStage = KhatTile::kBytes + VSliceTile::kBytes + 64 * 4;  // + the decays
 constexpr int kStatesSmem = kStatesStages * kStatesStage;
@@ -208,8 +207,8 @@ __device__ __forceinline__ void state_pass(const FlexcGlaParams& p) {
   const TileCopy<VSliceTile, kThreads> copy_v;
   const unsigned short* khp =
       static_cast<const unsigned short*>(p.khat) + bh * p.chunks * kChunk * kDK + dk0;
-  const unsigned short* vp = static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] +
-                             hk * p.v_stride[1] + dv0;
+  const unsigned short* vp =
+      static_cast<const unsigned short*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + dv0;
   const float* dp = p.decay + bh * p.chunks * kDK + dk0;
   // The m-th chunk of the walk into its stage; a commit group either way, so that the waits
   // count the same.
@@ -245,8 +244,7 @@ __device__ __forceinline__ void state_pass(const FlexcGlaParams& p) {
     __syncthreads();  // chunk n is in; every warp is done with the previous chunk's stage
     load(m + kStatesStages - 1);
     // S_n, the state at the chunk's start (reverse: D_n), for the per-chunk kernels.
-    unsigned short* st =
-        static_cast<unsigned short*>(p.states) + (bh * p.chunks + n) * kDK * kDV;
+    unsigned short* st = static_cast<unsigned short*>(p.states) + (bh * p.chunks + n) * kDK * kDV;
 #pragma unroll
     for (int j = 0; j < kNT; ++j)
 #pragma unroll
@@ -285,4 +283,3 @@ extern "C" __global__ void __launch_bounds__(128) flexc_gla_states(const FlexcGl
 extern "C" __global__ void __launch_bounds__(128) flexc_gla_dstates(const FlexcGlaParams p) {
   flexc_gla::state_pass<true>(p);
 }
-

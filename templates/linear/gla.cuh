@@ -38,8 +38,9 @@ constexpr int kOutCols = kDV / 2;  // output columns per warp
 // One gate per step: the region holds the state, then v. Per-dim gates: the state, then in its
 // place Khat and v (v is loaded once the state part is done): two CTAs per SM at DK = DV = 128.
 constexpr int kRegion = kScalar ? STile::kBytes + VTile::kBytes
-                        : STile::kBytes > QTile::kBytes + VTile::kBytes ? STile::kBytes
-                                                                        : QTile::kBytes + VTile::kBytes;
+                        : STile::kBytes > QTile::kBytes + VTile::kBytes
+                            ? STile::kBytes
+                            : QTile::kBytes + VTile::kBytes;
 constexpr int kOutputSmem =
     2 * QTile::kBytes + kRegion + (kScalar ? kChunk * 4 : kChunk * kGcStride * 4 + 128);
 static_assert(kScalar || 4 * 32 * (kChunk / 8) * 4 * 4 <= kChunk * kGcStride * 4,
@@ -74,8 +75,7 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
                                                unsigned char* k_tile, unsigned char* kh_tile,
                                                unsigned char* s_tile, unsigned char* v_tile,
                                                float* gc, unsigned* steep, const HeadRows& rows,
-                                               int t0,
-                                               float (&o)[1][kOutCols / 8][4],
+                                               int t0, float (&o)[1][kOutCols / 8][4],
                                                float (&att)[1][kChunk / 8][4]) {
   const int tid = threadIdx.x, warp = tid / 32, w = warp % 4, half = warp / 4;
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
@@ -104,7 +104,8 @@ __device__ __forceinline__ void per_dim_scores(const FlexcGlaParams& p, unsigned
   if (tid < kDK) {
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const float fall = gc[s * kSub * kGcStride + tid] - gc[(s * kSub + kSub - 1) * kGcStride + tid];
+      const float fall =
+          gc[s * kSub * kGcStride + tid] - gc[(s * kSub + kSub - 1) * kGcStride + tid];
       const unsigned m = __ballot_sync(0xffffffffu, fall > kSteep);
       if (lane == 0) steep[s * kMaskWords + warp] = m;
     }
@@ -365,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(256) flexc_gla_step(const FlexcGlaP
     s[m][0] = f.x, s[m][1] = f.y, s[m][2] = f.z, s[m][3] = f.w;
   }
   const HeadRows x = head_rows(p, b, h);
-  unsigned short* op = static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] +
-                       blockIdx.x * 64;
+  unsigned short* op =
+      static_cast<unsigned short*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] + blockIdx.x * 64;
   for (int t = 0; t < p.seq_len; ++t) {
     if (tid < kDK) {
       qkd[0][tid] = unpack_lo<kBf16>(__ldg(x.q + t * p.q_stride[2] + tid));
@@ -398,7 +399,8 @@ extern "C" __global__ void __launch_bounds__(256) flexc_gla_step(const FlexcGlaP
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], 16);
     if (lane < 16)
-      *reinterpret_cast<float4*>(&part[tid / 32][col]) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      *reinterpret_cast<float4*>(&part[tid / 32][col]) =
+          make_float4(acc[0], acc[1], acc[2], acc[3]);
     // Also orders this token's reads of qkd before the next token's writes.
     __syncthreads();
     if (tid < 64) {

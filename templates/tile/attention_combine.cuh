@@ -140,8 +140,8 @@ extern "C" __global__ void __launch_bounds__(flexc_combine::kWarps * 32)
   const WarpRow at(p.batch, p.heads, p.rows);
   if (!at.valid) return;
   const int lane = threadIdx.x & 31;
-  float* acc = p.acc + ((static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 +
-                        at.i) * p.dv;
+  float* acc =
+      p.acc + ((static_cast<long long>(at.b) * p.heads + at.h) * p.acc_rows + p.row0 + at.i) * p.dv;
   const float* part = at.of(static_cast<const float*>(p.part), p.part_stride);
   for (int c = lane * 4; c < p.dv; c += 128) {
     float4 x = *reinterpret_cast<const float4*>(acc + c);

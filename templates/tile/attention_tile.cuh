@@ -38,8 +38,9 @@ constexpr bool kPositions = FLEXC_POSITIONS != 0;
 #ifndef FLEXC_ROWS_APART
 #define FLEXC_ROWS_APART 0
 #endif
-constexpr bool kRowsApart = FLEXC_ROWS_APART == 2 ? FlexcVariant::kRowless
-                                                  : FLEXC_ROWS_APART == 1 && FlexcVariant::kRowTerms;
+constexpr bool kRowsApart = FLEXC_ROWS_APART == 2
+                                ? FlexcVariant::kRowless
+                                : FLEXC_ROWS_APART == 1 && FlexcVariant::kRowTerms;
 constexpr bool kUnitsInExponent = kRowsApart && FLEXC_ROWS_APART == 2;
 constexpr float kUnits = kUnitsInExponent ? FlexcVariant::kRowlessUnits : 1.f;
 // What multiplies each rowless score (1: none).
@@ -139,8 +140,14 @@ struct ColumnSteps {
 
   __device__ ColumnSteps(const FlexcBlockMask& m, int b_, int h_first, int heads, int kv0_,
                          int q_len_)
-      : sched(m, b_, h_first, kv0_, q_len_), bm(&m), b(b_), h(h_first), h_end(h_first + heads),
-        kv0(kv0_), q_len(q_len_), left(sched.count) {}
+      : sched(m, b_, h_first, kv0_, q_len_),
+        bm(&m),
+        b(b_),
+        h(h_first),
+        h_end(h_first + heads),
+        kv0(kv0_),
+        q_len(q_len_),
+        left(sched.count) {}
   // The next step's query head, first q row and whether mask_mod must run; false when done.
   // Kernel tiles of a BlockMask tile that start past q_len are skipped.
   __device__ __forceinline__ bool next(int& head, int& q0, bool& partial) {
@@ -313,7 +320,8 @@ struct RelTable {
   // Where a warp's thread reads it (ScoreTile::Columns::rel), the warp's rows starting `row_off`
   // rows into the group's: its score at fragment row r, column c (ScoreTile's layout) is entry
   // c - r + ROWS - 1.
-  __device__ __forceinline__ static const unsigned* thread_view(const unsigned* table, int row_off) {
+  __device__ __forceinline__ static const unsigned* thread_view(const unsigned* table,
+                                                                int row_off) {
     const int lane = threadIdx.x & 31;
     return table + (ROWS - 1) - row_off - (lane >> 2) + (lane & 3) * 2;
   }
@@ -336,14 +344,15 @@ struct StagedColumns {
   // Loader `tid` of `n` fills the stage at shared address `stage` for the kv tile from kv0
   // (keys past kv_len read the last one: the kernel masks their scores).
   __device__ __forceinline__ static void load(unsigned stage, const FlexcAttentionParams& p,
-                                              const FlexcArgs& args, int b, int h, int kv0,
-                                              int tid, int n) {
+                                              const FlexcArgs& args, int b, int h, int kv0, int tid,
+                                              int n) {
 #pragma unroll 1
     for (int c = tid; c < BLOCK_N; c += n) {
       unsigned w[kCols > 0 ? kCols : 1];
       const int kv = min(kv0 + c, p.kv_len - 1) + kv_pos0(p);
       const int q_len = hook_q_len<true>(p), kv_len = hook_kv_len(p);
-      if constexpr (kScoreCols > 0) FlexcVariant::score_columns(args, b, h, 0, kv, q_len, kv_len, w);
+      if constexpr (kScoreCols > 0)
+        FlexcVariant::score_columns(args, b, h, 0, kv, q_len, kv_len, w);
       if constexpr (kCols > kScoreCols)
         FlexcVariant::mask_columns(args, b, h, 0, kv, q_len, kv_len, w + kScoreCols);
 #pragma unroll
@@ -409,7 +418,8 @@ struct ScoreTile {
 #pragma unroll
       for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) row[i][r] = q_idx[i][r], head[i][r] = h[i][r], row_in[i][r] = true;
+        for (int r = 0; r < 2; ++r)
+          row[i][r] = q_idx[i][r], head[i][r] = h[i][r], row_in[i][r] = true;
       set_cols(col0, col_len, 0);
     }
     __device__ __forceinline__ void set_cols(int col0, int col_len, int col_pos0) {
@@ -542,8 +552,8 @@ struct ScoreTile {
   // pointer, no per-score address arithmetic; element by element otherwise.
   __device__ __forceinline__ static void load_columns(Columns& c, const TileRows& rows,
                                                       const FlexcAttentionParams& p,
-                                                      const FlexcArgs& args, int b, int h,
-                                                      int row0, int col0) {
+                                                      const FlexcArgs& args, int b, int h, int row0,
+                                                      int col0) {
     static_assert(R == Rows::Q, "columns are keys");
     if constexpr (kScoreTiles > 0) {
       if (rows.pairs && col0 + NT * 8 <= p.kv_len) {
@@ -554,7 +564,8 @@ struct ScoreTile {
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
-              for (int j = 0; j < NT; ++j) c.tile[i][r][j][k] = rows.at[i][r][k][(col0 >> 1) + j * 4];
+              for (int j = 0; j < NT; ++j)
+                c.tile[i][r][j][k] = rows.at[i][r][k][(col0 >> 1) + j * 4];
         return;
       }
       const Idx idx = index(h, row0, col0, p);
@@ -612,13 +623,10 @@ struct ScoreTile {
   // score_mod's column loads and relative terms come from there (load_columns of the same tile,
   // the kernel's RelTable).
   template <bool GRAD = false>
-  __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
-                                                    float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
-                                                    const FlexcAttentionParams& p,
-                                                    const FlexcArgs& args, int b, int h, int row0,
-                                                    int col0, bool partial,
-                                                    const Columns* cols = nullptr,
-                                                    bool empty = false) {
+  __device__ __forceinline__ static void apply_mods(
+      float (&s)[MT][NT][4], float (&grad)[GRAD ? MT : 1][GRAD ? NT : 1][4],
+      const FlexcAttentionParams& p, const FlexcArgs& args, int b, int h, int row0, int col0,
+      bool partial, const Columns* cols = nullptr, bool empty = false) {
     apply_mods_at<GRAD>(s, grad, p, args, b, index(h, row0, col0, p), row0, col0, partial, cols,
                         empty);
   }
@@ -690,7 +698,9 @@ struct ScoreTile {
       int c0 = col0;
       asm volatile("" : "+r"(c0));
       fresh.set_cols(c0, R == Rows::Q ? p.kv_len : p.q_len,
-                     !kPositions ? 0 : R == Rows::Q ? p.kv_pos0 : p.q_pos0);
+                     !kPositions    ? 0
+                     : R == Rows::Q ? p.kv_pos0
+                                    : p.q_pos0);
     }
     // (SPLIT: a tile over an empty and a full BlockMask tile is partial whatever mask_mod.)
     if constexpr (!FlexcVariant::kMaskAlwaysTrue || SPLIT) {
@@ -727,12 +737,9 @@ struct ScoreTile {
       });
     }
   }
-  __device__ __forceinline__ static void apply_mods(float (&s)[MT][NT][4],
-                                                    const FlexcAttentionParams& p,
-                                                    const FlexcArgs& args, int b, int h, int row0,
-                                                    int col0, bool partial,
-                                                    const Columns* cols = nullptr,
-                                                    bool empty = false) {
+  __device__ __forceinline__ static void apply_mods(
+      float (&s)[MT][NT][4], const FlexcAttentionParams& p, const FlexcArgs& args, int b, int h,
+      int row0, int col0, bool partial, const Columns* cols = nullptr, bool empty = false) {
     float unused[1][1][4];
     apply_mods<false>(s, unused, p, args, b, h, row0, col0, partial, cols, empty);
   }
@@ -767,10 +774,9 @@ __device__ __forceinline__ void keep_pre_mod(const float (&s)[NT][4], float scal
 constexpr bool kKeepPreMod = FlexcVariant::kCaptureGradsReadScore;
 template <class Sink, int XN>
 __device__ __forceinline__ void add_capture_grads(Sink& sink, const FlexcArgs& args,
-                                                  const FlexcAttentionParams& p, float pv,
-                                                  float dp, float delta, const float (&x)[XN][4],
-                                                  int j, int e, int b, int h, int q_idx,
-                                                  int kv_idx) {
+                                                  const FlexcAttentionParams& p, float pv, float dp,
+                                                  float delta, const float (&x)[XN][4], int j,
+                                                  int e, int b, int h, int q_idx, int kv_idx) {
   const float grad_score = pv == 0.f ? 0.f : pv * (dp - delta);
   FlexcVariant::accumulate_capture_grads(args, sink, grad_score, XN > 1 ? x[j][e] : 0.f, b, h,
                                          q_idx, kv_idx, hook_q_len<false>(p), hook_kv_len(p));
@@ -847,14 +853,14 @@ __device__ __forceinline__ void store_fragments(const float (&acc)[MT][DT][4], F
 // units (lse_log2), less score_mod's row terms where the kernel computes the rowless scores
 // (kRowsApart), so that P is what the forward computed. (The terms come off with their rounding
 // errors carried: row_terms(-lse) negated.)
-__device__ __forceinline__ float row_lse_log2(const FlexcAttentionParams& p,
-                                              const FlexcArgs& args, int b, int h, int q) {
+__device__ __forceinline__ float row_lse_log2(const FlexcAttentionParams& p, const FlexcArgs& args,
+                                              int b, int h, int q) {
   const bool valid = q < p.q_len;
   float l = valid ? p.lse[(static_cast<long long>(b) * p.q_heads + h) * p.q_len + q] : neg_inf();
   if constexpr (kRowsApart)
     if (l != neg_inf() && l == l)
-      l = -FlexcVariant::row_terms(args, -l, b, h, q + (kPositions ? p.q_pos0 : 0),
-                                   kv_pos0(p), hook_q_len<false>(p), hook_kv_len(p));
+      l = -FlexcVariant::row_terms(args, -l, b, h, q + (kPositions ? p.q_pos0 : 0), kv_pos0(p),
+                                   hook_q_len<false>(p), hook_kv_len(p));
   return flexc_tile::lse_log2(l);
 }
 
@@ -864,8 +870,8 @@ __device__ __forceinline__ float row_lse_log2(const FlexcAttentionParams& p,
 // (LSE -inf) and NaN rows stay as they are.
 template <int MT>
 __device__ __forceinline__ void add_row_terms(float (&inv_sum)[MT][2], float (&lse)[MT][2],
-                                              const FlexcAttentionParams& p,
-                                              const FlexcArgs& args, int b, int h, int row0) {
+                                              const FlexcAttentionParams& p, const FlexcArgs& args,
+                                              int b, int h, int row0) {
   if constexpr (kRowsApart) {
     const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
@@ -905,7 +911,7 @@ __device__ __forceinline__ void put_lse(const float (&lse)[MT][2], const FlexcAt
 }
 
 // store_rows's 16-bit path in two halves, for a kernel that stores one item's rows while the
-// next one computes (templates/attention_fwd_sm90.cuh, kDefer): stage_rows stages the
+// next one computes (templates/attention/attention_fwd_sm90.cuh, kDefer): stage_rows stages the
 // normalized rows in `tile` (the last reader of the accumulators); put_rows stores them and
 // their LSEs from there (reading no register a wgmma may write, so it may run under one).
 template <class Tile, bool BF16, int MT, int DT>
@@ -932,7 +938,7 @@ __device__ __forceinline__ void put_rows(const float (&lse)[MT][2], const unsign
 // their LSE when p.lse is set. The forward's FLEXC_F32_OUT 2 build merges them instead into the
 // float32 rows O holds and their LSE in p.lse (a softmax over other keys; 0 and -inf at first):
 //   lse = log(exp(lse_o) + exp(lse_this)), O = exp(lse_o - lse) O + exp(lse_this - lse) O_this,
-// as templates/attention_combine.cuh merges split-KV parts: a side without keys (LSE -inf)
+// as templates/tile/attention_combine.cuh merges split-KV parts: a side without keys (LSE -inf)
 // weighs 0, a NaN LSE makes the row NaN.
 template <class Tile, bool BF16, int MT, int DT>
 __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
@@ -963,10 +969,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
         for (int j = 0; j < DT; ++j) {
           const float2 x = *reinterpret_cast<const float2*>(at + j * 8);
           // A weight of 0 adds exactly 0, whatever the other side holds.
-          *reinterpret_cast<float2*>(at + j * 8) =
-              make_float2((wa == 0.f ? 0.f : fa * x.x) + (wb == 0.f ? 0.f : fb * acc[i][j][2 * r]),
-                          (wa == 0.f ? 0.f : fa * x.y) +
-                              (wb == 0.f ? 0.f : fb * acc[i][j][2 * r + 1]));
+          *reinterpret_cast<float2*>(at + j * 8) = make_float2(
+              (wa == 0.f ? 0.f : fa * x.x) + (wb == 0.f ? 0.f : fb * acc[i][j][2 * r]),
+              (wa == 0.f ? 0.f : fa * x.y) + (wb == 0.f ? 0.f : fb * acc[i][j][2 * r + 1]));
         }
         merged[i][r] = m + logf(wa + wb);
       }

@@ -8,8 +8,8 @@
 // h_kv * G + x % G, so every K / V load serves all of them. The CTA walks the tiles of its split
 // (every splits-th kv tile: the tiles a mask keeps spread evenly over the splits) through a ring
 // of kStages cp.async stages; the four warps share each tile, a quarter of its keys each, with
-// their own online softmax, and merge at the end. With one split the CTA writes out and LSE; with more it writes its
-// normalised partial result and LSE, which flexc_attention_combine merges.
+// their own online softmax, and merge at the end. With one split the CTA writes out and LSE; with
+// more it writes its normalised partial result and LSE, which flexc_attention_combine merges.
 //
 // Positions: query i of sequence b sits at position q_offsets[b] + i (default kv_lens[b] -
 // Q_LEN + i), which is the q_idx the hooks see; their q_len is the position after the last query
@@ -42,7 +42,7 @@ constexpr int kMT = FLEXC_DECODE_MT;
 constexpr int kStages = FLEXC_STAGES;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 16 * kMT;  // query rows per CTA, shared by all warps
+constexpr int kRows = 16 * kMT;         // query rows per CTA, shared by all warps
 constexpr int kBlockN = FLEXC_BLOCK_N;  // keys per tile
 constexpr int kWarpN = kBlockN / kWarps;
 constexpr int kNT = kWarpN / 8;
@@ -156,7 +156,7 @@ struct Rows {
   int q_off;       // position of query 0
   int q_len_hook;  // the hooks' q_len: the position after the last query
   int kv_len;
-  int pos_end;     // rows at positions >= pos_end have no keys (the capacity)
+  int pos_end;  // rows at positions >= pos_end have no keys (the capacity)
 
   __device__ __forceinline__ bool row_ok(int x, int& pos, int& h, int h_kv) const {
     const int pr = first + x;
@@ -261,8 +261,8 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
   // same 128 verdicts from shared memory (double-buffered by round: a warp cannot be two rounds
   // ahead of another across the barrier). All warps call this in step, so the barrier is safe.
   __shared__ unsigned verdicts[2][kWarps][2];  // [round parity][window]: kept at all, kept whole
-  int round0 = split;  // the first candidate of the next round
-  int base = 0;        // the first candidate of the round being walked
+  int round0 = split;                          // the first candidate of the next round
+  int base = 0;                                // the first candidate of the round being walked
   int window = kWarps, parity = 1;
   unsigned keeps = 0, fulls = 0;  // the window being walked, walked candidates cleared
   auto next_tile = [&](bool& partial) -> int {
@@ -308,8 +308,7 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
     }
   };
 
-  const Cache cache{p,
-                    p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr,
+  const Cache cache{p, p.page_table != nullptr ? p.page_table + b * p.page_table_stride : nullptr,
                     (p.page_table != nullptr ? 0 : b * p.k_stride[0]) + h_kv * p.k_stride[1],
                     (p.page_table != nullptr ? 0 : b * p.v_stride[0]) + h_kv * p.v_stride[1]};
   const auto* k = static_cast<const unsigned short*>(p.k);
@@ -343,7 +342,8 @@ extern "C" __global__ void __launch_bounds__(flexc_dec::kThreads)
       const int x = c / QTile::kChunks, ch = c % QTile::kChunks;
       const int pr = rows.first + x;
       const bool valid = pr < rows.count;
-      const int qi = valid ? pr / rows.group : 0, h = h_kv * rows.group + (valid ? pr % rows.group : 0);
+      const int qi = valid ? pr / rows.group : 0,
+                h = h_kv * rows.group + (valid ? pr % rows.group : 0);
       cp_async_16(q_tile + QTile::offset(x, ch),
                   q + b * p.q_stride[0] + h * p.q_stride[1] + qi * p.q_stride[2] + ch * 8, valid);
     }

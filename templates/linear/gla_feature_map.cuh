@@ -27,9 +27,9 @@ __device__ __forceinline__ void map_rows(const FlexcMapParams& p) {
     const long long r = i / per_row, i2 = r % p.n[2], i1 = r / p.n[2] % p.n[1],
                     i0 = r / p.n[2] / p.n[1];
     const int c = static_cast<int>(i % per_row) * 8;
-    const uint4 xx = __ldg(reinterpret_cast<const uint4*>(
-        static_cast<const unsigned short*>(p.x) + i0 * p.x_stride[0] + i1 * p.x_stride[1] +
-        i2 * p.x_stride[2] + c));
+    const uint4 xx = __ldg(reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(p.x) +
+                                                          i0 * p.x_stride[0] + i1 * p.x_stride[1] +
+                                                          i2 * p.x_stride[2] + c));
     uint4* yp = reinterpret_cast<uint4*>(static_cast<unsigned short*>(p.y) + i0 * p.y_stride[0] +
                                          i1 * p.y_stride[1] + i2 * p.y_stride[2] + c);
     const unsigned xs[4] = {xx.x, xx.y, xx.z, xx.w};

@@ -28,7 +28,10 @@ constexpr int kListWarps = 32;
 __device__ __forceinline__ int find_box(const long long* prefix, int lo, int hi, long long w) {
   while (hi - lo > 1) {
     const int mid = lo + (hi - lo) / 2;
-    if (prefix[mid] <= w) lo = mid; else hi = mid;
+    if (prefix[mid] <= w)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -79,8 +82,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bm::kPaintThreads)
 extern "C" __global__ void __launch_bounds__(flexc_bm::kClassifyThreads)
     flexc_blockmask_classify(const FlexcArgs args, unsigned char* grid, const int* boxes,
                              const long long* prefix, int n, long long total, int nh, int nqt,
-                             int nkt, int q_tile, int kv_tile, int q_len, int kv_len,
-                             int q_offset, int kv_offset, int hook_q_len, int hook_kv_len) {
+                             int nkt, int q_tile, int kv_tile, int q_len, int kv_len, int q_offset,
+                             int kv_offset, int hook_q_len, int hook_kv_len) {
   using namespace flexc_bm;
   for (long long w = blockIdx.x; w < total; w += gridDim.x) {
     const int i = find_box(prefix, 0, n, w);
@@ -92,7 +95,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bm::kClassifyThreads)
       if (FlexcVariant::mask_mod(args, t.b, t.h, q_offset + q, kv_offset + kv, hook_q_len,
                                  hook_kv_len))
         seen_true = true;
-      else seen_false = true;
+      else
+        seen_false = true;
     };
     // A probe of kProbe x kProbe points spread over the tile (corners included) first: a
     // boundary anywhere in the tile is usually seen by it.
@@ -129,8 +133,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bm::kClassifyThreads)
 // (coalesced) and turned through shared memory so that a warp again owns one column.
 extern "C" __global__ void __launch_bounds__(flexc_bm::kListWarps * 32)
     flexc_blockmask_lists(const unsigned char* grid, int groups, int nqt, int nkt, int row_blocks,
-                          int* kv_num, int* kv_idx, int* full_kv_num, int* full_kv_idx,
-                          int* q_num, int* q_idx, int* full_q_num, int* full_q_idx) {
+                          int* kv_num, int* kv_idx, int* full_kv_num, int* full_kv_idx, int* q_num,
+                          int* q_idx, int* full_q_num, int* full_q_idx) {
   using namespace flexc_bm;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned below = (1u << lane) - 1;

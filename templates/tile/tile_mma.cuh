@@ -110,12 +110,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// One thread's share of copying an SmemTile, set up once per kernel so that each tile copy costs a pointer add and a compare per 16-byte chunk. The row
-// stride comes with each call (a kernel parameter: no register is held for it), so one TileCopy
-// serves K and V. When the block's threads cover whole rows and a thread's rows are a multiple of
-// 8 apart, a thread always copies the same chunk column with the same swizzle, so its
-// shared-memory offsets differ by constants; other shapes (head dim 96) recompute the position of
-// each chunk.
+// One thread's share of copying an SmemTile, set up once per kernel so that each tile copy costs a
+// pointer add and a compare per 16-byte chunk. The row stride comes with each call (a kernel
+// parameter: no register is held for it), so one TileCopy serves K and V. When the block's threads
+// cover whole rows and a thread's rows are a multiple of 8 apart, a thread always copies the same
+// chunk column with the same swizzle, so its shared-memory offsets differ by constants; other
+// shapes (head dim 96) recompute the position of each chunk.
 template <class Tile, int THREADS>
 struct TileCopy {
   static constexpr int kPerThread = Tile::kRows * Tile::kChunks / THREADS;

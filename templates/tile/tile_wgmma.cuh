@@ -46,9 +46,8 @@ struct Sw128Tile {
   // kPanelBytes apart along N. Used with the transpose flag (V in O += P.V). Like k_major, a
   // start inside a panel moves the address and the hardware swizzles the final one.
   __device__ __forceinline__ static unsigned long long mn_major(unsigned tile, int row0,
-                                                               int col0 = 0) {
-    return desc(tile + (col0 >> 6) * kPanelBytes + row0 * 128 + (col0 & 63) * 2, kPanelBytes,
-                1024);
+                                                                int col0 = 0) {
+    return desc(tile + (col0 >> 6) * kPanelBytes + row0 * 128 + (col0 & 63) * 2, kPanelBytes, 1024);
   }
 
  private:
@@ -205,14 +204,20 @@ __device__ __forceinline__ void regs_inc() {
 
 // The accumulator operands of an m64nNk16 wgmma: N / 8 column tiles of 4 registers.
 #define FLEXC_ACC4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define FLEXC_ACC32(d, j)                                                                     \
-  FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3),         \
+#define FLEXC_ACC32(d, j)                                                             \
+  FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3), \
       FLEXC_ACC4(d, j + 4), FLEXC_ACC4(d, j + 5), FLEXC_ACC4(d, j + 6), FLEXC_ACC4(d, j + 7)
-#define FLEXC_ACC16(d, j) FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3)
+#define FLEXC_ACC16(d, j) \
+  FLEXC_ACC4(d, j), FLEXC_ACC4(d, j + 1), FLEXC_ACC4(d, j + 2), FLEXC_ACC4(d, j + 3)
 #define FLEXC_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define FLEXC_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define FLEXC_REGS64 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FLEXC_REGS32                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FLEXC_REGS64                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
+  "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "  \
+  "%56, %57, %58, %59, %60, %61, %62, %63}"
 #define FLEXC_REGS40                                                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "  \
@@ -231,12 +236,12 @@ __device__ __forceinline__ void regs_inc() {
 // operand text, SCALE_D the operand of the accumulate flag (an immediate: 0 for D = A.B, 1 for
 // D += A.B; a predicate computed in the asm would count as a non-wgmma instruction feeding it,
 // and ptxas would then serialize the wgmmas).
-#define FLEXC_WGMMA(SHAPE, T, REGS, A, B, SCALE_D, TRANS)                                       \
+#define FLEXC_WGMMA(SHAPE, T, REGS, A, B, SCALE_D, TRANS)                                   \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " " REGS ", " A ", " B ", " SCALE_D \
   ", 1, 1, " TRANS ";\n"
 
 // The kv tile widths the Hopper forward kernel's S = Q.K^T takes (N = 8 NT): 32, 64, 128, and
-// 80, 112 and 176 for its wide tiles (kWide in templates/attention_fwd_sm90.cuh).
+// 80, 112 and 176 for its wide tiles (kWide in templates/attention/attention_fwd_sm90.cuh).
 template <int NT>
 constexpr bool kWgmmaN = NT == 4 || NT == 8 || NT == 10 || NT == 14 || NT == 16 || NT == 22;
 #define FLEXC_SS_ASM(T, SHAPE, REGS, A, B, SD, TR, ...)  \

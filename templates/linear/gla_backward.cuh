@@ -1,4 +1,4 @@
-// Gated linear attention's chunkwise backward (templates/gla.cuh has the forward and the
+// Gated linear attention's chunkwise backward (templates/linear/gla.cuh has the forward and the
 // notation; gc in log2 units, G its chunk's last row). With the chunk start states S_n
 // (flexc_gla_states) and the state gradients D_n = dL / dS_{n+1} (flexc_gla_dstates) in the
 // workspace, every chunk's gradients are local:
@@ -113,8 +113,8 @@ __device__ __forceinline__ void add_state_part(float (&acc)[1][NT][4], unsigned 
 // Each row of the warp's C fragments times 2^(sign (gc_i - gc_ref)) at its column (the row
 // factor that ends dq, sign 1, and dk, sign -1).
 template <int NT>
-__device__ __forceinline__ void scale_rows(float (&acc)[1][NT][4], const float* gc, int w,
-                                           int col0, int ref, float sign) {
+__device__ __forceinline__ void scale_rows(float (&acc)[1][NT][4], const float* gc, int w, int col0,
+                                           int ref, float sign) {
   const int lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -209,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kBwdThreads, 1)
   using namespace flexc_gla;
   const FlexcGlaParams& p = bp.f;
   extern __shared__ __align__(128) unsigned char smem[];
-  unsigned char* qc_tile = smem;  // q, then Qcheck in place
+  unsigned char* qc_tile = smem;                     // q, then Qcheck in place
   unsigned char* kc_tile = qc_tile + QTile::kBytes;  // k, then Kcheck in place
   unsigned char* qh_tile = kc_tile + QTile::kBytes;
   unsigned char* kh_tile = qh_tile + QTile::kBytes;
@@ -230,19 +230,17 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kBwdThreads, 1)
   const int lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const long long bh = static_cast<long long>(b) * p.heads + h;
   const HeadRows x = head_rows(p, b, h);
-  const unsigned short* dop = static_cast<const unsigned short*>(bp.dout) +
-                              b * bp.dout_stride[0] + h * bp.dout_stride[1];
+  const unsigned short* dop =
+      static_cast<const unsigned short*>(bp.dout) + b * bp.dout_stride[0] + h * bp.dout_stride[1];
   const long long chunk_state = (bh * p.chunks + n) * kDK * kDV;
   TileCopy<QTile, kBwdThreads>()(smem_addr(qc_tile), x.q, p.q_stride[2], t0, p.seq_len);
   TileCopy<QTile, kBwdThreads>()(smem_addr(kc_tile), x.k, p.k_stride[2], t0, p.seq_len);
   TileCopy<VTile, kBwdThreads>()(smem_addr(v_tile), x.v, p.v_stride[2], t0, p.seq_len);
   TileCopy<VTile, kBwdThreads>()(smem_addr(do_tile), dop, bp.dout_stride[2], t0, p.seq_len);
-  TileCopy<STile, kBwdThreads>()(smem_addr(s_tile),
-                                 static_cast<const unsigned short*>(p.states) + chunk_state, kDV,
-                                 0, kDK);
-  TileCopy<STile, kBwdThreads>()(smem_addr(d_tile),
-                                 static_cast<const unsigned short*>(bp.dstates) + chunk_state,
-                                 kDV, 0, kDK);
+  TileCopy<STile, kBwdThreads>()(
+      smem_addr(s_tile), static_cast<const unsigned short*>(p.states) + chunk_state, kDV, 0, kDK);
+  TileCopy<STile, kBwdThreads>()(
+      smem_addr(d_tile), static_cast<const unsigned short*>(bp.dstates) + chunk_state, kDV, 0, kDK);
   copy_gc<kBwdThreads>(gc, p, b, h, n);
   cp_async_commit();
   if (tid < kDK) db_sum[tid] = 0.f;
@@ -280,7 +278,8 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kBwdThreads, 1)
     unsigned* kk = pair<QTile>(kc_tile, r, d);
     const float q0 = unpack_lo<kBf16>(*qq), q1 = unpack_hi<kBf16>(*qq);
     const float k0 = unpack_lo<kBf16>(*kk), k1 = unpack_hi<kBf16>(*kk);
-    const float2 gr = gc2(gc, r, d), gf = gc2(gc, s * kSub, d), ge = gc2(gc, s * kSub + kSub - 1, d);
+    const float2 gr = gc2(gc, r, d), gf = gc2(gc, s * kSub, d),
+                 ge = gc2(gc, s * kSub + kSub - 1, d);
     const unsigned m = steep[s * kMaskWords + d / 32] >> (d % 32);
     *pair<QTile>(qh_tile, r, d) =
         pack2<kBf16>(q0 * exp2_approx(gr.x - gf.x), q1 * exp2_approx(gr.y - gf.y));
@@ -423,9 +422,10 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kBwdThreads, 1)
       const int t = t0 + w * kSub + g + 8 * r;
 #pragma unroll
       for (int j = 0; j < kNK; ++j) {
-        const unsigned v = t < p.seq_len ? __ldg(reinterpret_cast<const unsigned*>(
-                                               xp + t * stride + col0 + j * 8 + 2 * t4))
-                                         : 0u;
+        const unsigned v =
+            t < p.seq_len
+                ? __ldg(reinterpret_cast<const unsigned*>(xp + t * stride + col0 + j * 8 + 2 * t4))
+                : 0u;
         db[0][j][2 * r] += sign * unpack_lo<kBf16>(v) * acc[0][j][2 * r];
         db[0][j][2 * r + 1] += sign * unpack_hi<kBf16>(v) * acc[0][j][2 * r + 1];
       }
@@ -469,15 +469,15 @@ extern "C" __global__ void __launch_bounds__(flexc_gla::kBwdThreads, 1)
       ldmatrix_x4_trans(bf, v_kn(dot, I * kSub, (vcol0 + nn) / 8));
     });
   }
-  const unsigned short* kend = static_cast<const unsigned short*>(p.khat) +
-                               (bh * p.chunks * kChunk + t0 + w * kSub) * kDK;
+  const unsigned short* kend =
+      static_cast<const unsigned short*>(p.khat) + (bh * p.chunks * kChunk + t0 + w * kSub) * kDK;
 #pragma unroll
   for (int kk = 0; kk < kDK; kk += 16) {
     unsigned a[1][4];
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      a[0][e] = __ldg(reinterpret_cast<const unsigned*>(
-          kend + (g + (e & 1) * 8) * kDK + kk + 2 * t4 + (e >> 1) * 8));
+      a[0][e] = __ldg(reinterpret_cast<const unsigned*>(kend + (g + (e & 1) * 8) * kDK + kk +
+                                                        2 * t4 + (e >> 1) * 8));
     mma_rows<kBf16>(dv, a, [&](unsigned(&bf)[4], int nn) {
       ldmatrix_x4_trans(bf, s_kn(dtt, kk, (vcol0 + nn) / 8));
     });
@@ -552,8 +552,8 @@ extern "C" __global__ void __launch_bounds__(128) flexc_gla_dg(const FlexcGlaBwd
   float run = bp.db_sums[(bh * p.chunks + n) * kDK + d];
   const float* dbp = bp.db + (bh * p.chunks * kChunk + t0) * kDK + d;
   auto write = [&](int t, int dim, float v) {
-    const long long at = b * bp.dg_stride[0] + h * bp.dg_stride[1] + t * bp.dg_stride[2] +
-                         dim * bp.dg_stride[3];
+    const long long at =
+        b * bp.dg_stride[0] + h * bp.dg_stride[1] + t * bp.dg_stride[2] + dim * bp.dg_stride[3];
     const float x = gate_raw(p, b, h, t, dim);
     v = x > -1.0e4f ? v : 0.f;
     if (bp.dg_type == 1) {

@@ -1,5 +1,5 @@
-// Backward attention for Hopper (sm_90a): the main kernel of templates/attention_bwd.cuh on wgmma
-// (attention_bwd_rows.cuh's prep and dq run around it, and with FLEXC_DETERMINISTIC
+// Backward attention for Hopper (sm_90a): the main kernel of templates/attention/attention_bwd.cuh
+// on wgmma (attention_bwd_rows.cuh's prep and dq run around it, and with FLEXC_DETERMINISTIC
 // attention_bwd.cuh's dq_rows), everything else shared with it (attention_tile.cuh: column
 // schedule, hooks, epilogue; attention_layout.cuh: the dQ accumulator's layout;
 // online_softmax.cuh: P from the LSE, dS).
@@ -43,7 +43,7 @@ constexpr int kBlockM = FLEXC_BLOCK_M;
 constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr bool kDeterministic = FLEXC_DETERMINISTIC != 0;
 constexpr int kStages = 2;
-constexpr int kThreads = 384;   // producer + two consumers of 64 kv rows
+constexpr int kThreads = 384;     // producer + two consumers of 64 kv rows
 constexpr int kNT = kBlockM / 8;  // n8 column tiles (queries) of a warp's S^T
 constexpr int kDT = kD / 8;       // n8 column tiles of dK, dV, dQ
 
@@ -59,7 +59,7 @@ using QTile = Sw128Tile<kBlockM, kD>;
 using DsTile = Sw128Tile<kBlockN, kBlockM>;  // dS^T of the CTA: rows keys, columns queries
 using Accum = flexc_attn::DqAccum<kD>;
 static_assert(Accum::kRows == kBlockM, "a step's dQ is one accumulator block");
-constexpr int kHalfNT = Accum::kHalfCols / 8;   // n8 column tiles of a consumer's dQ half
+constexpr int kHalfNT = Accum::kHalfCols / 8;     // n8 column tiles of a consumer's dQ half
 constexpr int kDqBytes = Accum::kHalfFloats * 4;  // one consumer's staged dQ half
 constexpr int kDsBuffers = 2;
 // Shared memory (1024-byte aligned pieces): K, V, kStages x (Q, dO), kDsBuffers x dS^T, per
@@ -162,10 +162,10 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
                                         unsigned char* smem_raw, unsigned raw, int wg, int kv0,
                                         int h_kv, int b) {
   const FlexcAttentionParams& p = bp.fwd;
-  const int cw = wg - 1;                            // consumer 0 or 1: kv rows cw * 64 ..
-  const int wwarp = (threadIdx.x >> 5) & 3;         // warp within the warpgroup
+  const int cw = wg - 1;                     // consumer 0 or 1: kv rows cw * 64 ..
+  const int wwarp = (threadIdx.x >> 5) & 3;  // warp within the warpgroup
   const int lane = threadIdx.x & 31;
-  const int row0 = kv0 + cw * 64 + wwarp * 16;      // this warp's first kv row
+  const int row0 = kv0 + cw * 64 + wwarp * 16;  // this warp's first kv row
   const bool leader = (threadIdx.x & 127) == 0;
 
   float dk[1][kDT][4], dv[1][kDT][4];
@@ -228,8 +228,8 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
       const int c = j * 8 + (lane & 3) * 2 + (e & 1);
       const float pv = s[0][j][e];
       if constexpr (CAPTURE_GRADS)
-        flexc_attn::add_capture_grads(capture_grads, args, p, pv, dp[0][j][e], delta[c], x, j, e,
-                                      b, hq, q_idx, kv_idx);
+        flexc_attn::add_capture_grads(capture_grads, args, p, pv, dp[0][j][e], delta[c], x, j, e, b,
+                                      hq, q_idx, kv_idx);
       constexpr bool kFromP = kGrad && !kFoldGrad;  // else pv is p_grad's already
       dp[0][j][e] = dscore<kFromP>(pv, dp[0][j][e], delta[c], grad[0][kGrad ? j : 0][e]);
     });
@@ -310,12 +310,10 @@ __device__ __forceinline__ void consume(const Smem& sm, const FlexcAttentionBwdP
   unsigned char* v_bytes = smem_raw + (sm.v - raw);
   flexc_attn::store_fragments<KvTile, kBf16>(
       dk, [&](int, int) { return p.scale; }, k_bytes, tile_row,
-      flexc_attn::head_rows(bp.dk, bp.dk_stride, b, h_kv), bp.dk_stride[2], row0,
-      p.kv_len);
+      flexc_attn::head_rows(bp.dk, bp.dk_stride, b, h_kv), bp.dk_stride[2], row0, p.kv_len);
   flexc_attn::store_fragments<KvTile, kBf16>(
       dv, [](int, int) { return 1.f; }, v_bytes, tile_row,
-      flexc_attn::head_rows(bp.dv, bp.dv_stride, b, h_kv), bp.dv_stride[2], row0,
-      p.kv_len);
+      flexc_attn::head_rows(bp.dv, bp.dv_stride, b, h_kv), bp.dv_stride[2], row0, p.kv_len);
 }
 
 }  // namespace flexc_bwd90
@@ -357,8 +355,7 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd90::kThreads, 1)
 
   if (wg == 0) {
     regs_dec<kProducerRegs>();
-    if (threadIdx.x < 32)
-      produce(sm, bp, tq, tdo, tk, tv, args, steps, kv0, h_kv, b);
+    if (threadIdx.x < 32) produce(sm, bp, tq, tdo, tk, tv, args, steps, kv0, h_kv, b);
     return;
   }
   regs_inc<kConsumerRegs>();

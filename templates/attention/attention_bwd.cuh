@@ -39,8 +39,8 @@ constexpr int kBlockN = FLEXC_BLOCK_N;
 constexpr int kWarps = FLEXC_WARPS;
 constexpr bool kDeterministic = FLEXC_DETERMINISTIC != 0;
 constexpr int kThreads = kWarps * 32;
-constexpr int kNT = kBlockM / 8;       // n8 column tiles (queries) of a warp's S^T
-constexpr int kDT = kD / 8;            // n8 column tiles of dK, dV, dQ
+constexpr int kNT = kBlockM / 8;          // n8 column tiles (queries) of a warp's S^T
+constexpr int kDT = kD / 8;               // n8 column tiles of dK, dV, dQ
 constexpr int kQRows = kBlockM / kWarps;  // dQ rows per warp
 constexpr int kMQ = kQRows / 16;
 
@@ -104,8 +104,8 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
     if (!fetch_steps.next(fetch_h, q0, unused)) return false;
     copy_q(q_tile(stage), at<unsigned short>(p.q, p.q_stride, b, fetch_h), p.q_stride[2], q0,
            p.q_len);
-    copy_q(do_tile(stage), at<unsigned short>(bp.dout, bp.do_stride, b, fetch_h),
-           bp.do_stride[2], q0, p.q_len);
+    copy_q(do_tile(stage), at<unsigned short>(bp.dout, bp.do_stride, b, fetch_h), bp.do_stride[2],
+           q0, p.q_len);
     const long long base = (static_cast<long long>(b) * p.q_heads + fetch_h) * p.q_len;
     for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
       const int q = q0 + r;
@@ -234,12 +234,10 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
   // each warp stages its own 16 rows, then stores them with 16-byte stores.
   flexc_attn::store_fragments<KvTile, kBf16>(
       dk, [&](int, int) { return p.scale; }, smem, warp * 16,
-      flexc_attn::head_rows(bp.dk, bp.dk_stride, b, h_kv), bp.dk_stride[2], row0,
-      p.kv_len);
+      flexc_attn::head_rows(bp.dk, bp.dk_stride, b, h_kv), bp.dk_stride[2], row0, p.kv_len);
   flexc_attn::store_fragments<KvTile, kBf16>(
       dv, [](int, int) { return 1.f; }, smem + KvTile::kBytes, warp * 16,
-      flexc_attn::head_rows(bp.dv, bp.dv_stride, b, h_kv), bp.dv_stride[2], row0,
-      p.kv_len);
+      flexc_attn::head_rows(bp.dv, bp.dv_stride, b, h_kv), bp.dv_stride[2], row0, p.kv_len);
 }
 
 #if FLEXC_DETERMINISTIC
@@ -343,7 +341,6 @@ extern "C" __global__ void __launch_bounds__(flexc_bwd::kThreads)
   // Each warp stages its 16 rows in the Q tile (read by no one any more), then stores them.
   flexc_attn::store_fragments<QTile, kBf16>(
       dq, [&](int, int) { return p.scale; }, smem, warp * 16,
-      flexc_attn::head_rows(bp.dq, bp.dq_stride, b, h), bp.dq_stride[2], row0,
-      p.q_len);
+      flexc_attn::head_rows(bp.dq, bp.dq_stride, b, h), bp.dq_stride[2], row0, p.q_len);
 }
 #endif  // FLEXC_DETERMINISTIC

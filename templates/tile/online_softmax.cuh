@@ -124,8 +124,8 @@ struct OnlineSoftmax {
         const float m = max_[i][r];
         const float base_error = fmaf(m, to_log2, -__fmul_rn(m, to_log2));  // exact
         inv_sum[i][r] = empty ? 0.f : 1.f / sum;
-        lse[i][r] = empty ? neg_inf()
-                          : fmaf(m, to_ln, fmaf(-base_error, 0.69314718055994531f, logf(sum)));
+        lse[i][r] =
+            empty ? neg_inf() : fmaf(m, to_ln, fmaf(-base_error, 0.69314718055994531f, logf(sum)));
       }
     }
   }
