@@ -64,10 +64,12 @@ constexpr bool kQRegs = kQChunks > 0;
 // The item's first tile (no P.V to overlap) is peeled from the mainloop, except beside a score_mod
 // other than the identity in a grid of one CTA per item (long rows): there the hooks inlined twice
 // cost a quarter of the compile time, and the loop's P.V of zeros per item 1-2% of the products.
-// A persistent grid's short items keep the peel, and so do D 64's 192-row tiles, whose 160
-// registers schedule the loop's first tile worse for some hooks (docs/perf.md, "One mainloop ...
-// beside any score_mod").
-constexpr bool kPeelFirst = flexc_attn::kIdentityScore || kPersistent || kBlockM == 192;
+// A persistent grid's short items keep the peel, and so do D 64's 192-row tiles where score_mod
+// reads per-key or tile loads, whose 160 registers schedule the loop's first tile worse
+// (docs/perf.md, "One mainloop ... beside any score_mod").
+constexpr bool kPeelFirst =
+    flexc_attn::kIdentityScore || kPersistent ||
+    (kBlockM == 192 && FlexcVariant::kScoreColumnLoads + FlexcVariant::kScoreTileLoads > 0);
 constexpr int kQFragments = kQRegs ? kQChunks : 1;  // (an array's size)
 static_assert(kQChunks >= 0 && kQChunks <= kD / 16, "at most all of Q's chunks");
 static_assert(!kTileTma || FlexcVariant::kScoreTileLoads == 1, "one tile load, by TMA");
