@@ -84,6 +84,28 @@ bool in_range(Input i, const Dim& dim) {
   return false;
 }
 
+// Ops whose result is discrete from its operands' values: fast float math leaves those operands
+// (and what they are computed from) as written (docs/dsl.md, "Precision").
+bool decides_discrete(Op op) {
+  switch (op) {
+    case Op::ToInt:
+    case Op::Floor:
+    case Op::Ceil:
+    case Op::Sign:
+    case Op::FloorDiv:
+    case Op::Mod:
+    case Op::Lt:
+    case Op::Le:
+    case Op::Gt:
+    case Op::Ge:
+    case Op::Eq:
+    case Op::Ne:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // Writes the body of one hook: an SSA statement per needed node, in id order (so every operand is
 // defined before its use). Inputs and constants are used in place.
 class BodyWriter {
@@ -220,27 +242,8 @@ class BodyWriter {
     exact_.assign(g_.size(), 0);
     for (NodeId id = static_cast<NodeId>(g_.size()); id-- > 0;) {
       const Node& n = g_[id];
-      bool seed = false;
-      switch (n.op) {
-        case Op::ToInt:
-        case Op::Floor:
-        case Op::Ceil:
-        case Op::Sign:
-        case Op::FloorDiv:
-        case Op::Mod:
-        case Op::Lt:
-        case Op::Le:
-        case Op::Gt:
-        case Op::Ge:
-        case Op::Eq:
-        case Op::Ne:
-          seed = true;
-          break;
-        default:
-          break;
-      }
       const bool in_context = !context_.empty() && id < context_.size() && context_[id];
-      if ((value_[id] || offset_[id] || in_context) && (seed || exact_[id]))
+      if ((value_[id] || offset_[id] || in_context) && (decides_discrete(n.op) || exact_[id]))
         for (NodeId a : n.operands()) exact_[a] = 1;
     }
   }
@@ -850,26 +853,109 @@ int rel_cost(const Graph& g, const Node& n) {
   }
 }
 
-std::vector<NodeId> relative_terms(const Graph& g) {
-  enum Kind : char { kFixed, kRel, kOther };  // ordered: a node is the max of its operands
+// What each node reads of the score and the indices: nothing (kFixed), kv_idx and q_idx only
+// through their difference (kRel), or more (kOther).
+enum RelKind : char { kFixed, kRel, kOther };  // ordered: a node is the max of its operands
+
+std::vector<char> rel_kinds(const Graph& g) {
   std::vector<char> kind(g.size(), kFixed);
-  std::vector<int> cost(g.size(), 0);
   for (NodeId id = 0; id < g.size(); ++id) {
     const Node& n = g[id];
-    if (n.op == Op::Input) {
+    if (n.op == Op::Input)
       kind[id] = n.input == Input::Score || n.input == Input::QIdx || n.input == Input::KvIdx
                      ? kOther
                      : kFixed;
-      continue;
-    }
-    if (is_difference(g, n)) {
+    else if (is_difference(g, n))
       kind[id] = kRel;
-      continue;
+    else
+      for (NodeId a : n.operands()) kind[id] = std::max(kind[id], kind[a]);
+  }
+  return kind;
+}
+
+// Fast float math: a float sum whose operands include two or more relative terms adds those
+// first (score + a(d) - b(d) -> (a(d) - b(d)) + score), so that they tabulate as one term, one
+// shared load per score instead of one per term (int_heavy's two). The rounding of the sum
+// changes, as a contracted FMA's does; exact math keeps the written order, and so does fast math
+// where the sum decides something discrete.
+Graph group_relative_terms(const Graph& g) {
+  const std::vector<char> kind = rel_kinds(g);
+  const std::vector<char> used = reachable(g, g.root);
+  // A sum that decides something discrete stays as written, as fast math leaves it.
+  std::vector<char> exact(g.size(), 0);
+  for (NodeId id = static_cast<NodeId>(g.size()); id-- > 0;)
+    if (used[id] && (decides_discrete(g[id].op) || exact[id]))
+      for (NodeId a : g[id].operands()) exact[a] = 1;
+  const auto is_sum = [&](NodeId id) {
+    const Node& n = g[id];
+    return (n.op == Op::Add || n.op == Op::Sub) && n.type == Type::Float && kind[id] == kOther &&
+           !exact[id];
+  };
+  // A sum's operands with their signs, in order, through the sums it is made of.
+  const auto flatten = [&](auto&& self, NodeId at, bool minus,
+                           std::vector<std::pair<NodeId, bool>>& leaves) -> void {
+    if (!is_sum(at)) {
+      leaves.emplace_back(at, minus);
+      return;
     }
-    for (NodeId a : n.operands()) kind[id] = std::max(kind[id], kind[a]);
-    if (kind[id] != kRel) continue;
-    cost[id] = rel_cost(g, n);
-    for (NodeId a : n.operands()) cost[id] = std::min(cost[id] + cost[a], 1 << 20);
+    self(self, g[at].args[0], minus, leaves);
+    self(self, g[at].args[1], g[at].op == Op::Sub ? !minus : minus, leaves);
+  };
+  const auto grouped = [&](NodeId id, std::vector<std::pair<NodeId, bool>>& rel,
+                           std::vector<std::pair<NodeId, bool>>& rest) {
+    if (!is_sum(id)) return false;
+    std::vector<std::pair<NodeId, bool>> leaves;
+    flatten(flatten, id, false, leaves);
+    for (const auto& leaf : leaves) (kind[leaf.first] == kRel ? rel : rest).push_back(leaf);
+    return rel.size() >= 2;
+  };
+  bool any = false;
+  for (NodeId id = 0; id < g.size() && !any; ++id) {
+    std::vector<std::pair<NodeId, bool>> rel, rest;
+    any = used[id] && grouped(id, rel, rest);
+  }
+  if (!any) return g;  // the same graph, node for node
+  Graph out;
+  std::vector<int64_t> copied(g.size(), -1);
+  const auto copy = [&](auto&& self, NodeId id) -> NodeId {
+    if (copied[id] >= 0) return static_cast<NodeId>(copied[id]);
+    std::vector<std::pair<NodeId, bool>> rel, rest;  // (node, subtracted)
+    NodeId r;
+    if (grouped(id, rel, rest)) {
+      // The added terms first, so that none needs a negation: a + c - b, or -(b + c) overall.
+      std::stable_partition(rel.begin(), rel.end(), [](const auto& l) { return !l.second; });
+      bool negated = rel.front().second;  // r holds minus the sum
+      r = self(self, rel.front().first);
+      for (size_t k = 1; k < rel.size(); ++k)
+        r = out.binary(rel[k].second && !negated ? Op::Sub : Op::Add, r, self(self, rel[k].first));
+      for (const auto& [leaf, minus] : rest) {
+        const NodeId x = self(self, leaf);
+        if (negated && !minus) {
+          r = out.binary(Op::Sub, x, r), negated = false;  // -s + x = x - s
+        } else {
+          r = out.binary(negated == minus ? Op::Add : Op::Sub, r, x);  // -s - x = -(s + x)
+        }
+      }
+      if (negated) r = out.unary(Op::Neg, r);
+    } else {
+      Node n = g[id];
+      for (uint8_t k = 0; k < n.nargs; ++k) n.args[k] = self(self, n.args[k]);
+      r = out.add(n);
+    }
+    copied[id] = r;
+    return r;
+  };
+  out.root = copy(copy, g.root);
+  return out;
+}
+
+std::vector<NodeId> relative_terms(const Graph& g) {
+  const std::vector<char> kind = rel_kinds(g);
+  std::vector<int> cost(g.size(), 0);
+  for (NodeId id = 0; id < g.size(); ++id) {
+    if (kind[id] != kRel || is_difference(g, g[id])) continue;
+    cost[id] = rel_cost(g, g[id]);
+    for (NodeId a : g[id].operands()) cost[id] = std::min(cost[id] + cost[a], 1 << 20);
   }
   const std::vector<char> used = reachable(g, g.root);
   std::vector<char> term(g.size(), 0);
@@ -1020,7 +1106,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
     throw std::invalid_argument(fmt::format("a variant may capture at most {} tensors, not {}",
                                             kMaxCaptures, decls.captures.size()));
 
-  const Graph score = simplify(*in.score);
+  const Graph score = in.score_math == FloatMath::Exact ? simplify(*in.score)
+                                                        : group_relative_terms(simplify(*in.score));
   const Graph mask = simplify(*in.mask);
 
   // d score_mod / d score, and d score_mod / d loaded value for every differentiable load (its
@@ -1150,7 +1237,8 @@ std::string emit_cuda_variant(const EmitInput& in) {
 
 LaunchFacts launch_facts(const EmitInput& in) {
   if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
-  const Graph score = simplify(*in.score);
+  const Graph score = in.score_math == FloatMath::Exact ? simplify(*in.score)
+                                                        : group_relative_terms(simplify(*in.score));
   const int mask_cols = in.mask ? static_cast<int>(column_loads(simplify(*in.mask)).size()) : 0;
   const std::vector<TileLoad> tiles = tile_loads(score, *in.decls);
   LaunchFacts f{tiles_share_heads(score, tiles), static_cast<int>(relative_terms(score).size()),

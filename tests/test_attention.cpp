@@ -1718,10 +1718,10 @@ TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
   // score_mod's costly terms in kv_idx - q_idx alone (dsl/emit_cuda.cpp): the Hopper kernel fills
   // a table per consumer and kv tile, 64 + 128 - 1 entries (64 + 64 - 1 above D 128), the
   // portable one per CTA (128 + 64 - 1; 64 + 32 - 1 at D 256), two tables in flight. A gathered
-  // table with GQA, T5's buckets (exact log2 under fast math), two integer terms, a decay with a
-  // causal mask's partial tiles, a term beside a column load (the Hopper kernel reads both from
-  // its loads ahead; the portable one computes that score_mod per score); odd lengths,
-  // Q_LEN != KV_LEN, queries at an offset.
+  // table with GQA, T5's buckets (exact log2 under fast math), two integer terms (one table under
+  // fast math, as the two subtracted ones), a decay with a causal mask's partial tiles, a term
+  // beside a column load (the Hopper kernel reads both from its loads ahead; the portable one
+  // computes that score_mod per score); odd lengths, Q_LEN != KV_LEN, queries at an offset.
   const std::vector<CaptureSpec> caps{{"rel", "float32", {"H", "511"}},
                                       {"kvb", "float32", {"H", "KV_LEN"}}};
   const Variant rel_table = Variant::from_strings(
@@ -1731,12 +1731,16 @@ TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
       "true", {}, {}, "int_terms");
   const Variant decay = Variant::from_strings("score - 0.5 * sqrt(float(abs(kv_idx - q_idx)))",
                                               "q_idx >= kv_idx", {}, {}, "decay");
+  // Fast math adds a sum's terms first (one table): int_terms' a - b, and here b + c subtracted.
+  const Variant minus_terms = Variant::from_strings(
+      "score - sqrt(float(abs(kv_idx - q_idx))) * 0.5 - float(abs(q_idx - kv_idx) // 64)", "true",
+      {}, {}, "minus_terms");
   const Variant with_cols = Variant::from_strings(
       "score + kvb[h, kv_idx] - rel[h, clamp(q_idx - kv_idx, -255, 255) + 255]", "true", caps, {},
       "rel_with_cols");
   const Variant t5 = Variant::from_catalogue("t5_bias");
   int i = 0;
-  for (const Variant* v : {&rel_table, &t5, &int_terms, &decay, &with_cols})
+  for (const Variant* v : {&rel_table, &t5, &int_terms, &decay, &minus_terms, &with_cols})
     for (int64_t d : {64, 128, 256})
       for (FwdKernel kernel : kernels_for(d)) {
         ++i;

@@ -350,6 +350,33 @@ std::string emit_fast(const Parsed& p) {
 
 }  // namespace
 
+TEST_CASE("fast math tabulates a sum's relative terms as one", "[emit]") {
+  // Fast math adds a sum's relative terms first, so that they make one table: score + a - b reads
+  // a - b, score - a - b reads a + b and subtracts it; exact math keeps the written order.
+  const auto fast_cols = [](std::string_view mod) {
+    const std::string text = emit_fast(parse(mod, "true"));
+    return std::pair{has(text, "kScoreRelTerms = 1;"), hook_body(text, "score_mod_cols")};
+  };
+  const auto [one, plus_minus] = fast_cols(
+      "score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - float(abs(q_idx - kv_idx) // 64) * "
+      "0.01");
+  CHECK(one);
+  CHECK(has(plus_minus, "__uint_as_float(cv[0])"));
+  CHECK(has(plus_minus, " + score;"));
+  const auto [one_neg, minus_minus] = fast_cols(
+      "score - sqrt(float(abs(kv_idx - q_idx))) * 0.5 - float(abs(q_idx - kv_idx) // 64)");
+  CHECK(one_neg);
+  CHECK(has(minus_minus, "= score - t"));
+  const auto [one_first, first] = fast_cols(
+      "0.25 * float((kv_idx - q_idx) % 5) - score - sqrt(float(abs(q_idx - kv_idx))) * 0.5");
+  CHECK(one_first);
+  CHECK(has(first, " - score;"));
+  // Not where the sum decides something discrete: fast math leaves such a value as written.
+  CHECK_FALSE(fast_cols("where(score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - "
+                        "float(abs(q_idx - kv_idx) // 64) * 0.01 > 0.0, score, 0.0)")
+                  .first);
+}
+
 TEST_CASE("fast float math: approximate instructions, exact where a value decides", "[emit]") {
   Decls d;
   d.params.push_back({"cap", Type::Float, 0, false});
