@@ -385,12 +385,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
         fmt::format("out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}] (q's, with v's head dim); "
                     "got {}",
                     B, Hq, q_len, Dv, out.describe()));
-  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
-    fail(
-        fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
-  if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
-  if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
-    fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
+  detail::check_sizes(kWhat, B, Hq, Hkv, q_len, kv_len);
   for (auto [name, d] : {std::pair{"q", D}, {"v", Dv}})
     if (!detail::fwd_supports(d))
       fail(fmt::format("{}: head dim {} is not supported ({})", name, d, detail::kFwdHeadDims));

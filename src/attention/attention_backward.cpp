@@ -180,12 +180,7 @@ void backward(const TensorView& q, const TensorView& k, const TensorView& v, con
     if (t->shape != q.shape)
       fail(fmt::format("{} must have q's shape; q {}, {} {}", name, q.describe(), name,
                        t->describe()));
-  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
-    fail(
-        fmt::format("need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}", B, Hq, Hkv));
-  if (B > 65535 || Hq > 65535) fail(fmt::format("B = {} and Hq = {} must be at most 65535", B, Hq));
-  if (q_len > kMaxInt - 256 || kv_len > kMaxInt - 256)
-    fail(fmt::format("q_len {} / kv_len {} exceed the int32 indices of the kernel", q_len, kv_len));
+  detail::check_sizes(kWhat, B, Hq, Hkv, q_len, kv_len);
   if (D != 32 && D != 64 && D != 96 && D != 128)
     fail(fmt::format("q: head dim {} is not supported by the backward kernel (32, 64, 96 or 128)",
                      D));

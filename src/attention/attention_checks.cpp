@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -146,6 +147,19 @@ void check_qkv(std::string_view what, const char* name, const TensorView& t, DTy
                        name, t.describe()));
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
     fail(fmt::format("{}: data must be 16-byte aligned", name));
+}
+
+void check_sizes(std::string_view what, int64_t B, int64_t Hq, int64_t Hkv, int64_t q_len,
+                 int64_t kv_len) {
+  if (B < 1 || Hq < 1 || Hkv < 1 || Hq % Hkv != 0)
+    throw Error(fmt::format("{}: need B, Hq, Hkv >= 1 and Hq % Hkv == 0; got B {}, Hq {}, Hkv {}",
+                            what, B, Hq, Hkv));
+  if (B > 65535 || Hq > 65535)
+    throw Error(fmt::format("{}: B = {} and Hq = {} must be at most 65535", what, B, Hq));
+  constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max() - 256;
+  if (q_len > kMaxLen || kv_len > kMaxLen)
+    throw Error(fmt::format("{}: q_len {} / kv_len {} exceed the int32 indices of the kernel", what,
+                            q_len, kv_len));
 }
 
 void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B, int64_t Hq,

@@ -34,6 +34,11 @@ bool use_hopper(FwdKernel choice, const DeviceLimits& dev, std::string_view misf
 void check_qkv(std::string_view what, const char* name, const TensorView& t, DType dtype,
                bool or_f32 = false);
 
+// The sizes every attention kernel's grid and int32 indices allow: B, Hq, Hkv >= 1, Hq a multiple
+// of Hkv, B and Hq at most 65535 (grid dims), Q_LEN and KV_LEN below 2^31 - 256.
+void check_sizes(std::string_view what, int64_t B, int64_t Hq, int64_t Hkv, int64_t q_len,
+                 int64_t kv_len);
+
 // A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse), 4-byte aligned.
 void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B, int64_t Hq,
                 int64_t q_len);
