@@ -949,6 +949,13 @@ Graph group_relative_terms(const Graph& g) {
   return out;
 }
 
+// score_mod as the hooks are written from it: simplified, and under fast math with a sum's
+// relative terms grouped.
+Graph score_graph(const EmitInput& in) {
+  const Graph g = simplify(*in.score);
+  return in.score_math == FloatMath::Exact ? g : group_relative_terms(g);
+}
+
 std::vector<NodeId> relative_terms(const Graph& g) {
   const std::vector<char> kind = rel_kinds(g);
   std::vector<int> cost(g.size(), 0);
@@ -1106,8 +1113,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
     throw std::invalid_argument(fmt::format("a variant may capture at most {} tensors, not {}",
                                             kMaxCaptures, decls.captures.size()));
 
-  const Graph score = in.score_math == FloatMath::Exact ? simplify(*in.score)
-                                                        : group_relative_terms(simplify(*in.score));
+  const Graph score = score_graph(in);
   const Graph mask = simplify(*in.mask);
 
   // d score_mod / d score, and d score_mod / d loaded value for every differentiable load (its
@@ -1237,8 +1243,7 @@ std::string emit_cuda_variant(const EmitInput& in) {
 
 LaunchFacts launch_facts(const EmitInput& in) {
   if (!in.score || !in.decls) throw std::invalid_argument("launch_facts: score and decls are required");
-  const Graph score = in.score_math == FloatMath::Exact ? simplify(*in.score)
-                                                        : group_relative_terms(simplify(*in.score));
+  const Graph score = score_graph(in);
   const int mask_cols = in.mask ? static_cast<int>(column_loads(simplify(*in.mask)).size()) : 0;
   const std::vector<TileLoad> tiles = tile_loads(score, *in.decls);
   LaunchFacts f{tiles_share_heads(score, tiles), static_cast<int>(relative_terms(score).size()),
