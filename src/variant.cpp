@@ -658,6 +658,9 @@ Variant Variant::renamed(std::string name) const {
 Variant Variant::with_precision(Precision p) const {
   auto copy = std::make_shared<VariantImpl>(*impl_);
   copy->precision = p;
+  // The launch facts depend on it: fast math groups a sum's relative terms into one table,
+  // exact keeps each (a kernel launched with fewer tables' bytes than it uses would overrun).
+  copy->facts = dsl::launch_facts(detail::emit_input(*copy));
   return Variant(std::move(copy));
 }
 

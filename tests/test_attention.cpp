@@ -2098,6 +2098,10 @@ TEST_CASE("fast and exact float math against float64: log, sqrt", "[gpu]") {
   SKIP_WITHOUT_GPU();
   check_precisions("log_distance", "score - log(1.0 + abs(float(q_idx - kv_idx)))");
   check_precisions("sqrt_distance", "score - 0.25 * sqrt(abs(float(q_idx - kv_idx)))");
+  // Two relative terms: one table in fast math, two in exact (whose launch must size both).
+  check_precisions("two_terms",
+                   "score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - "
+                   "float(abs(q_idx - kv_idx) // 64) * 0.01");
 }
 
 TEST_CASE("fast and exact float math against float64: rsqrt, sin, cos", "[gpu]") {

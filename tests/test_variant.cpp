@@ -178,6 +178,15 @@ TEST_CASE("precision: fast by default, exact on request, kept by composition", "
   CHECK(fast.precision() == flexc::Precision::Fast);
   CHECK(e.score_mod_text() == fast.score_mod_text());
   CHECK(e.renamed("x").precision() == flexc::Precision::Exact);
+  // The launch facts follow: fast math tabulates two relative terms of a sum as one, exact as two
+  // (the kernel's launch sizes their tables by them).
+  const Variant two = Variant::from_json(config(
+      R"("score_mod": "score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - float(abs(q_idx - kv_idx) // 64) * 0.01")"));
+  CHECK(flexc::detail::impl_of(two).facts.score_rel_terms == 1);
+  const Variant two_exact = two.with_precision(flexc::Precision::Exact);
+  CHECK(flexc::detail::impl_of(two_exact).facts.score_rel_terms == 2);
+  CHECK(flexc::detail::impl_of(two_exact.with_precision(flexc::Precision::Fast))
+            .facts.score_rel_terms == 1);
   // Combined variants are exact if either side is.
   const Variant causal = Variant::from_catalogue("causal");
   CHECK(and_masks(causal, exact).precision() == flexc::Precision::Exact);
