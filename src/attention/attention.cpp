@@ -113,7 +113,7 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m, bool wide)
   const auto smem = [&](int block_n) {
     return size_t(2) * (q_and_o * c.block_m +
                         size_t(c.stages) * block_n * (panels(head_dim) + panels(v_head_dim))) +
-           8 * (2 + 7 * c.stages) + 4 * (12 + 2 * c.stages) + 1024;
+           8 * (2 + 7 * c.stages) + 4 * (12 + 3 * c.stages) + 1024;
   };
   if (wide) {
     if (block_m != 128 || fwd_sm90_wide_n(head_dim, v_head_dim) == 0)
@@ -177,7 +177,10 @@ int64_t fwd_sm90_tile_tma_bytes(const TileConfig& c, int head_dim, int v_head_di
 }
 
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper) {
-  const size_t rel = size_t(hopper ? c.threads / 128 - 1 : 1) * 2 * 256 * 4 * facts.score_rel_terms;
+  // Relative-term tables: the portable kernel's two; the Hopper kernel's one per consumer in each
+  // stage.
+  const size_t tables = hopper ? size_t(c.threads / 128 - 1) * c.stages : 2;
+  const size_t rel = tables * 256 * 4 * facts.score_rel_terms;
   return rel + (hopper ? size_t(c.stages) * c.block_n * 4 * facts.column_loads : 0);
 }
 

@@ -136,8 +136,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
     if constexpr (kRelTables) {
       unsigned* table = reinterpret_cast<unsigned*>(smem + kQBytes + kStages * kStageBytes) +
                         (it & 1) * RelTable::kWords;
-      RelTable::fill(table, args, b, h, q0 + p.q_pos0, sched.start(cur) + flexc_attn::kv_pos0(p),
-                     Scores::hook_q_len(p), flexc_attn::hook_kv_len(p), threadIdx.x, kThreads);
+      RelTable::fill<kThreads>(table, args, b, h, q0 + p.q_pos0,
+                               sched.start(cur) + flexc_attn::kv_pos0(p), Scores::hook_q_len(p),
+                               flexc_attn::hook_kv_len(p), threadIdx.x);
       cols.rel = RelTable::thread_view(table, warp * kWarpRows);
     }
   };

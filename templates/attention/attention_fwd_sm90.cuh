@@ -104,17 +104,17 @@ using OTile = Sw128Tile<kBlockM, kDv>;  // the epilogue's staging, over Q
 // score_mod's tile load (kTileTma), 16-bit; never with wide kv tiles (a placeholder then).
 using BTile = Sw128Tile<kBlockM, kWide ? 64 : kBlockN>;
 constexpr int kBBytes = kTileTma ? BTile::kBytes : 0;
-// score_mod's relative terms, tabulated per consumer (64 rows) and kv tile: two tables per
-// consumer, since it fills the next tile's while the last one's may still be read.
+// score_mod's relative terms, tabulated per consumer (64 rows) and kv tile by the loaders, in the
+// staged loads' stages (a table per consumer).
 using RelTable = flexc_attn::RelTable<64, kBlockN>;
-constexpr int kRelBytes = 2 * RelTable::kWords * 4;  // a consumer's
 // Shared memory: Q (or O's staging, the larger), K[kStages], V[kStages] (each 1024-byte aligned:
 // the sizes are multiples of 1024; head dim 96 keeps whole 64-column panels, TMA zero-filling the
-// last 32), the staged column loads' stages, then the mbarriers, the schedule ring, the staged
-// loads' kv indices and the relative-term tables (src/attention/attention.cpp adds the staged
-// loads' and the tables' bytes by dsl::LaunchFacts). The host adds 1024 bytes for aligning the
-// dynamic base. q_full, k_full[], v_full[], k_empty[], v_empty[], then the staged loads' t_go[],
-// t_full[], t_empty[], then q_empty, then the tile loads' b_full[] and b_empty[] (kTileTma).
+// last 32), the staged loads' stages (the column loads, then each consumer's relative-term table),
+// then the mbarriers, the schedule ring, the staged loads' kv indices, heads and q rows
+// (src/attention/attention.cpp adds the column loads' and the tables' bytes by dsl::LaunchFacts).
+// The host adds 1024 bytes for aligning the dynamic base. q_full, k_full[], v_full[], k_empty[],
+// v_empty[], then the staged loads' t_go[], t_full[], t_empty[], then q_empty, then the tile loads'
+// b_full[] and b_empty[] (kTileTma).
 constexpr int kBarriers = 2 + 7 * kStages + (kTileTma ? 2 * kStages : 0);
 // O is staged apart from Q where both fit (head dims up to 128, no tile-load stages, no wide kv
 // tiles), so that a CTA's next Q loads while it stores the last output; over Q's bytes otherwise
@@ -122,32 +122,36 @@ constexpr int kBarriers = 2 + 7 * kStages + (kTileTma ? 2 * kStages : 0);
 constexpr bool kSeparateO = kD <= 128 && kDv <= 128 && !kTileTma && !kWide;
 constexpr int kQBytes = kSeparateO || QTile::kBytes > OTile::kBytes ? QTile::kBytes : OTile::kBytes;
 constexpr int kOBytes = kSeparateO ? OTile::kBytes : 0;
-// score_mod's and mask_mod's column loads, staged per kv tile in shared memory by the producer's
-// warps 1-3 (the loaders), in stages beside K's and V's: the consumers then hold no registers for
-// them across their waits (D 64's 160 registers need that).
+// score_mod's and mask_mod's column loads and its relative-term tables, staged per kv tile in
+// shared memory by the producer's warps 1-3 (the loaders), in stages beside K's and V's: the
+// consumers then hold no registers for the loads across their waits (D 64's 160 registers need
+// that), and no consumer waits for its warps' shares of a table (a named barrier per tile cost
+// 6% at D 64; docs/perf.md).
 constexpr int kLoaders = 96;
 using Staged = flexc_attn::StagedColumns<kBlockN>;
-constexpr bool kStaging = Staged::kBytes > 0;
+constexpr int kTableBytes = RelTable::kWords * 4;  // a consumer's, in each stage
+constexpr int kStageTBytes = Staged::kBytes + kConsumers * kTableBytes;
+constexpr bool kStaging = kStageTBytes > 0;
 static_assert(!kWide || (!kStaging && !kTileTma && RelTable::kTerms == 0),
               "wide kv tiles: no per-tile loads or tables");
 constexpr int kSmemBytes = kQBytes + kOBytes +
-                           kStages * (KTile::kBytes + VTile::kBytes + kBBytes + Staged::kBytes) +
-                           8 * kBarriers + 4 * kRing + 8 * kStages + 16 + kConsumers * kRelBytes;
+                           kStages * (KTile::kBytes + VTile::kBytes + kBBytes + kStageTBytes) +
+                           8 * kBarriers + 4 * kRing + 12 * kStages + 16;
 static_assert(kSmemBytes + 1024 <= 227 * 1024, "fits Hopper's shared memory per block");
 // setmaxnreg below: the launch gives each thread kLaunchRegs registers, and the consumers' increase
 // must be covered by what the producer releases, or it waits forever (FlashAttention-3's split).
-// With two consumers, loaders take 40 and leave their consumers 232; with three, 32 each is all
-// there is.
+// With two consumers, loaders of column loads take 40 and leave their consumers 232 (the tables'
+// loaders fit 24: ptxas spills nothing there, test_attention's catalogue test); with three, 32
+// each is all there is.
 constexpr int kLaunchRegs = (65536 / kThreads) & ~7;
-constexpr int kProducerRegs = kConsumers == 2 ? (kStaging ? 40 : 24) : 32;
-constexpr int kConsumerRegs = kConsumers == 2 ? (kStaging ? 232 : 240) : 160;
+constexpr int kProducerRegs = kConsumers == 2 ? (Staged::kBytes > 0 ? 40 : 24) : 32;
+constexpr int kConsumerRegs = kConsumers == 2 ? (Staged::kBytes > 0 ? 232 : 240) : 160;
 static_assert(128 * (kLaunchRegs - kProducerRegs) >=
                   128 * kConsumers * (kConsumerRegs - kLaunchRegs),
               "register reallocation must balance");
-// Named barriers: 0 is __syncthreads; then per consumer its turns, its epilogue, its relative-term
-// tables.
-constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers, kRelBarrier = 1 + 2 * kConsumers;
-static_assert(kRelBarrier + kConsumers <= 16, "16 named barriers");
+// Named barriers: 0 is __syncthreads; then per consumer its turns and its epilogue.
+constexpr int kTurnBarrier = 1, kEpilogueBarrier = 1 + kConsumers;
+static_assert(kEpilogueBarrier + kConsumers <= 16, "16 named barriers");
 
 using Scores = flexc_attn::ScoreTile<1, kNT, flexc_attn::Rows::Q, Staged, kConsumers == 3, kWide>;
 
@@ -174,7 +178,11 @@ struct Smem {
   __device__ __forceinline__ unsigned t_empty(int s) const {
     return bars + 8 * (1 + 6 * kStages + s);
   }
-  __device__ __forceinline__ unsigned t_tile(int s) const { return t + s * Staged::kBytes; }
+  __device__ __forceinline__ unsigned t_tile(int s) const { return t + s * kStageTBytes; }
+  // Consumer c's relative-term table in stage s.
+  __device__ __forceinline__ unsigned table(int s, int c) const {
+    return t_tile(s) + Staged::kBytes + c * kTableBytes;
+  }
   __device__ __forceinline__ unsigned staged_kv(int s) const { return ring + 4 * (kRing + s); }
   __device__ __forceinline__ unsigned staged_head(int s) const {
     return ring + 4 * (kRing + kStages + s);
@@ -190,7 +198,8 @@ struct Smem {
   __device__ __forceinline__ unsigned b_empty(int s) const {
     return bars + 8 * (2 + 8 * kStages + s);
   }
-  __device__ __forceinline__ unsigned tables() const { return item() + 16; }
+  // Stage s's first q row (query position), for the tables.
+  __device__ __forceinline__ unsigned staged_q(int s) const { return item() + 16 + 4 * s; }
 };
 
 // T where B holds, F otherwise (std::conditional, which NVRTC's headers lack).
@@ -315,13 +324,15 @@ __device__ __forceinline__ int active_consumers(const FlexcAttentionParams& p, i
 }
 
 // The loaders' stage of tile j, free once the consumers read it (before they release V's): the
-// tile's first kv index and its batch and head (b << 16 | h), or kEnd after the CTA's last tile.
-__device__ __forceinline__ void hand_over(const Smem& sm, int j, unsigned kv, unsigned bh) {
+// tile's first kv index, its batch and head (b << 16 | h) and q tile's first row, or kEnd after
+// the CTA's last tile.
+__device__ __forceinline__ void hand_over(const Smem& sm, int j, unsigned kv, unsigned bh, int q0) {
   if constexpr (kStaging) {
     const int s = j % kStages;
     mbar_wait(sm.t_empty(s), ((j / kStages) & 1) ^ 1);
     st_shared(sm.staged_kv(s), kv);
     st_shared(sm.staged_head(s), bh);
+    st_shared(sm.staged_q(s), unsigned(q0));
     mbar_arrive(sm.t_go(s));
   }
 }
@@ -406,24 +417,36 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
       mbar_wait(sm.b_empty(s), empty_parity);
       load_b_tile(sm.b_tile(s), tb, b_col + kv0, b_row, sm.b_full(s));
     }
-    hand_over(sm, j, unsigned(kv0), unsigned(b) << 16 | unsigned(h));
+    hand_over(sm, j, unsigned(kv0), unsigned(b) << 16 | unsigned(h), q0);
     mbar_wait(sm.v_empty(s), empty_parity);
     load_tile<VTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
     kv0 = next;
   }
 }
 
-// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): the column loads of each kv tile the
-// producer thread hands over, until it hands over kEnd.
-__device__ __forceinline__ void load_staged(const Smem& sm, const FlexcAttentionParams& p,
-                                            const FlexcArgs& args, int tid) {
+// Warpgroup 0's warps 1-3 (loader `tid` of kLoaders): the column loads and the relative-term
+// tables of each kv tile the producer thread hands over, until it hands over kEnd. `base`: the
+// shared memory at sm.q, for the tables' generic pointers.
+__device__ __forceinline__ void load_staged(const Smem& sm, unsigned char* base,
+                                            const FlexcAttentionParams& p, const FlexcArgs& args,
+                                            int tid) {
   for (int j = 0;; ++j) {
     const int s = j % kStages;
     mbar_wait(sm.t_go(s), (j / kStages) & 1);
     const unsigned kv0 = ld_shared_volatile(sm.staged_kv(s));
     if (kv0 == kEnd) break;
     const unsigned bh = ld_shared_volatile(sm.staged_head(s));
-    Staged::load(sm.t_tile(s), p, args, int(bh >> 16), int(bh & 0xffffu), int(kv0), tid, kLoaders);
+    const int b = int(bh >> 16), h = int(bh & 0xffffu);
+    if constexpr (Staged::kBytes > 0)
+      Staged::load(sm.t_tile(s), p, args, b, h, int(kv0), tid, kLoaders);
+    if constexpr (RelTable::kTerms > 0) {
+      const int q0 = int(ld_shared_volatile(sm.staged_q(s)));
+#pragma unroll
+      for (int c = 0; c < kConsumers; ++c)
+        RelTable::fill<kLoaders>(reinterpret_cast<unsigned*>(base + (sm.table(s, c) - sm.q)), args,
+                                 b, h, q0 + 64 * c + p.q_pos0, int(kv0) + flexc_attn::kv_pos0(p),
+                                 Scores::hook_q_len(p), flexc_attn::hook_kv_len(p), tid);
+    }
     mbar_arrive(sm.t_full(s));
   }
 }
@@ -447,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   sm.v = sm.k + kStages * KTile::kBytes;
   sm.bt = sm.v + kStages * VTile::kBytes;
   sm.t = sm.bt + kStages * kBBytes;
-  sm.bars = sm.t + kStages * Staged::kBytes;
+  sm.bars = sm.t + kStages * kStageTBytes;
   sm.ring = sm.bars + 8 * kBarriers;
   unsigned char* q_smem = smem_raw + (sm.q - raw);  // the aligned base
   volatile unsigned* ring = reinterpret_cast<volatile unsigned*>(q_smem + (sm.ring - sm.q));
@@ -499,10 +522,10 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
         } else {
           produce(sm, ring, tq, tk, tv, tb, bm, p, args, cta_item(), k, j);
         }
-        hand_over(sm, j, kEnd, 0);
+        hand_over(sm, j, kEnd, 0, 0);
       }
     } else if (kStaging) {
-      load_staged(sm, p, args, int(threadIdx.x) - 32);
+      load_staged(sm, q_smem, p, args, int(threadIdx.x) - 32);
     }
     return;
   }
@@ -531,8 +554,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // consumers over two BlockMask rows a tile may be empty for some (kMayBeEmpty), which then
   // skip its loads and mask its scores whole.
   constexpr bool kMayBeEmpty = kConsumers > 2;
-  // score_mod's relative-term tables: see fill_rel_table.
-  unsigned* const tables = reinterpret_cast<unsigned*>(q_smem + (sm.tables() - sm.q));
 
   // A persistent CTA stores an item's output while the next item's first Q.K^T runs (kDefer): its
   // rows wait staged in shared memory, their LSEs and the item in registers (flush stores them).
@@ -672,21 +693,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
           Scores::load_columns(cols, tile_rows, p, args, b, h, row0, kv0);
       }
     };
-    // Its relative terms, tabulated by the consumer's 128 threads while Q.K^T runs (ahead of the
-    // wait, T5's cost 3% more, docs/perf.md), into the table of tile j's parity; the barrier
-    // orders the writes before every thread's reads, and those before the writes of tile j + 2.
-    // A tile empty here reads the last table (its scores are masked whatever they read).
-    cols.rel = RelTable::thread_view(tables + cw * 2 * RelTable::kWords, (warp & 3) * 16);
-    auto fill_rel_table = [&](int jt) {
-      if constexpr (RelTable::kTerms > 0) {
-        if (kMayBeEmpty && kind == flexc_attn::kTileEmpty) return;
-        unsigned* table = tables + (cw * 2 + (jt & 1)) * RelTable::kWords;
-        RelTable::fill(table, args, b, h, q0 + q_rows + p.q_pos0, kv0 + flexc_attn::kv_pos0(p),
-                       Scores::hook_q_len(p), flexc_attn::hook_kv_len(p), threadIdx.x & 127, 128);
-        named_sync(kRelBarrier + cw, 128);
-        cols.rel = RelTable::thread_view(table, (warp & 3) * 16);
-      }
-    };
     // Hooks and softmax of tile jt (stage st) in s (left as probabilities); whether O must be
     // rescaled. A tile empty for these rows contributes nothing: apply_mods masks it whole in
     // its edge branch. Its staged loads are read here, and released.
@@ -694,6 +700,10 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       if constexpr (kStaging) {
         mbar_wait(sm.t_full(st), (jt / kStages) & 1);
         cols.staged = Staged::view(q_smem + (sm.t_tile(st) - sm.q));
+        if constexpr (RelTable::kTerms > 0)
+          cols.rel = RelTable::thread_view(
+              reinterpret_cast<const unsigned*>(q_smem + (sm.table(st, cw) - sm.q)),
+              (warp & 3) * 16);
       }
       if constexpr (kTileTma) {
         mbar_wait(sm.b_full(st), (jt / kStages) & 1);
@@ -725,7 +735,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       wgmma_fence();
       qk(st);
       pass_turn(word == kEnd);
-      fill_rel_table(j);
       flush();
       wgmma_wait<0>();
       fence_regs(s[0]);
@@ -752,7 +761,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       qk(st);
       issue_pv(o[0], pa, sm.v_tile(pv));
       pass_turn(word == kEnd);
-      fill_rel_table(j);
       wgmma_wait<1>();  // S_j; P_{j-1}.V_{j-1} may still run
       fence_regs(s[0]);
       mbar_arrive(sm.k_empty(st));

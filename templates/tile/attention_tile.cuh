@@ -304,13 +304,16 @@ struct RelTable {
   static constexpr int kWords = kTerms * kRelStride;
   static_assert(kEntries <= kRelStride, "a tile's differences fit a table");
 
-  // Threads [0, threads) of the group fill `table` (thread `tid`); `q_len` as the hooks see it.
+  // Threads [0, THREADS) of the group fill `table` (thread `tid`); `q_len` as the hooks see it.
+  // Unrolled, so that a thread's loads (a captured table's) are in flight together.
+  template <int THREADS>
   __device__ __forceinline__ static void fill(unsigned* table, const FlexcArgs& args, int b, int h,
-                                              int row0, int col0, int q_len, int kv_len, int tid,
-                                              int threads) {
+                                              int row0, int col0, int q_len, int kv_len, int tid) {
     const int d0 = col0 - (row0 + ROWS - 1);
-#pragma unroll 1
-    for (int e = tid; e < kEntries; e += threads) {
+#pragma unroll
+    for (int i = 0; i < (kEntries + THREADS - 1) / THREADS; ++i) {
+      const int e = tid + i * THREADS;
+      if (e >= kEntries) break;
       unsigned w[kTerms > 0 ? kTerms : 1];
       FlexcVariant::score_rel_terms(args, b, h, d0 + e, q_len, kv_len, w);
 #pragma unroll
