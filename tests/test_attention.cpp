@@ -2099,9 +2099,21 @@ TEST_CASE("fast and exact float math against float64: log, sqrt", "[gpu]") {
   check_precisions("log_distance", "score - log(1.0 + abs(float(q_idx - kv_idx)))");
   check_precisions("sqrt_distance", "score - 0.25 * sqrt(abs(float(q_idx - kv_idx)))");
   // Two relative terms: one table in fast math, two in exact (whose launch must size both).
-  check_precisions("two_terms",
-                   "score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - "
-                   "float(abs(q_idx - kv_idx) // 64) * 0.01");
+  const char* two_terms =
+      "score + where((q_idx - kv_idx) % 7 == 0, 0.5, 0.0) - float(abs(q_idx - kv_idx) // 64) * "
+      "0.01";
+  check_precisions("two_terms", two_terms);
+  // And exact on every kernel at D 64 and 128: the Hopper kernel's loaders fill both tables for
+  // each of its consumers (three at D 64).
+  const Variant exact = Variant::from_strings(two_terms, "true", {}, {}, "two_terms")
+                            .with_precision(Precision::Exact);
+  for (int64_t d : {64, 128})
+    for (FwdKernel kernel : kernels_for(d)) {
+      const GpuCase c{DType::BF16, 2, 4, 2, 457, 1031, d, false, 0, true, {}, kernel};
+      const Accuracy a = run_case(exact, c);
+      INFO(c.describe() << ": " << a.summary());
+      CHECK(a.pass);
+    }
 }
 
 TEST_CASE("fast and exact float math against float64: rsqrt, sin, cos", "[gpu]") {
