@@ -1716,9 +1716,10 @@ TEST_CASE("wide kv tiles match the reference, with and without a BlockMask", "[g
 
 TEST_CASE("relative terms tabulated per tile match the reference", "[gpu]") {
   SKIP_WITHOUT_GPU();
-  // score_mod's costly terms in kv_idx - q_idx alone (dsl/emit_cuda.cpp): the Hopper kernel fills
-  // a table per consumer and kv tile, 64 + 128 - 1 entries (64 + 64 - 1 above D 128), the
-  // portable one per CTA (128 + 64 - 1; 64 + 32 - 1 at D 256), two tables in flight. A gathered
+  // score_mod's costly terms in kv_idx - q_idx alone (dsl/emit_cuda.cpp): the Hopper kernel's
+  // loader warps fill a table per consumer and kv tile in the staged stages, 64 + 128 - 1 entries
+  // (64 + 64 - 1 above D 128); the portable kernel's threads one per CTA (128 + 64 - 1; 64 + 32 - 1
+  // at D 256), two tables in flight. A gathered
   // table with GQA, T5's buckets (exact log2 under fast math), two integer terms (one table under
   // fast math, as the two subtracted ones), a decay with a causal mask's partial tiles, a term
   // beside a column load (the Hopper kernel reads both from its loads ahead; the portable one
@@ -1761,10 +1762,14 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
   // whose BlockMask row has no tile left skips the union's later ones (kSkipDone): `early_end`'s
   // even rows end after two tiles, the odd ones run to KV_LEN. Beside a score_mod without per-key
   // loads (`halves`, `early_end`) the 192-row build runs the item's first tile in the mainloop;
-  // beside the identity (`stripes`, `causal`) it peels it.
+  // beside the identity (`stripes`, `causal`) it peels it. `rel_early_end`: a relative term's
+  // tables (filled by the loaders) where consumers skip.
   const Variant early_end =
       Variant::from_strings("score - 0.125 * float(kv_idx % 7)",
                             "q_idx // 128 % 2 == 1 || kv_idx < 200", {}, {}, "early_end");
+  const Variant rel_early_end =
+      Variant::from_strings("score - 0.03 * float(abs(kv_idx - q_idx) % 13)",
+                            "q_idx // 128 % 2 == 1 || kv_idx < 200", {}, {}, "rel_early_end");
   const Variant stripes = Variant::from_strings(
       "score", "(q_idx // 128 + kv_idx // 128) % 3 != 1", {}, {}, "tile_stripes");
   const Variant halves = Variant::from_strings(
@@ -1772,7 +1777,7 @@ TEST_CASE("192-row q tiles over two BlockMask rows match the reference", "[gpu]"
       "half_tile_stripes");
   const Variant causal = Variant::from_catalogue("causal");
   int i = 0;
-  for (const Variant* v : {&stripes, &halves, &causal, &early_end})
+  for (const Variant* v : {&stripes, &halves, &causal, &early_end, &rel_early_end})
     for (auto [lq, lkv] : {std::pair<int64_t, int64_t>{1000, 1700}, {193, 1600}, {448, 448}})
       for (FwdKernel kernel : kernels_for(64)) {
         GpuCase c{++i % 2 ? DType::BF16 : DType::F16, 2, 4, 2, lq, lkv, 64,

@@ -93,7 +93,8 @@ TileConfig fwd_config_sm90(int head_dim, int v_head_dim, int block_m, bool wide)
   // with zeros). Head dims: q's and k's `head_dim`, v's and the output's `v_head_dim`. O is
   // staged apart from Q where both head dims are at most 128 (a persistent CTA then loads its
   // next Q during the last output's store), over Q otherwise. The barriers: 2 + 7 per stage;
-  // beside the ring two words per stage (the staged loads') and four (the work item).
+  // beside the ring three words per stage (the staged loads' kv index, head and q row) and four
+  // (the work item).
   for (int d : {head_dim, v_head_dim})
     if (!fwd_sm90_supports(d))
       throw Error(fmt::format("the Hopper kernel has no head dim {} (64, 96, 128, 192 or 256)", d));

@@ -49,10 +49,10 @@ int fwd_sm90_wide_n(int head_dim, int v_head_dim);
 int fwd_sm90_block_m(int head_dim, int v_head_dim, int64_t kv_len, bool mask_always_true,
                      bool block_mask);
 // What a forward kernel of configuration `c` adds to its shared memory for score_mod's data
-// (dsl::LaunchFacts): two 256-word tables per relative term, for each of the Hopper kernel's
-// consumers or for the portable kernel's CTA, and on Hopper per stage a word per key and column
-// load (the staged column loads). At most 14 KiB, which every configuration above leaves room
-// for (templates/attention/attention_fwd_sm90.cuh asserts it).
+// (dsl::LaunchFacts): 256-word tables per relative term, two for the portable kernel's CTA and on
+// Hopper one per consumer in each stage, and on Hopper per stage a word per key and column load
+// (the staged column loads). At most 16 KiB (kMostLaunchFacts at 192-row tiles), which every
+// configuration above leaves room for (templates/attention/attention_fwd_sm90.cuh asserts it).
 size_t fwd_hook_bytes(const dsl::LaunchFacts& facts, const TileConfig& c, bool hopper);
 
 // How much the Hopper forward kernel's shared memory grows when score_mod's tile load comes by

@@ -11,7 +11,8 @@
 //   TMA into wgmma's 128-byte-swizzled layout (zeros past the lengths), two stages each, each load
 //   completing on a "full" mbarrier; it waits on the stage's "empty" mbarrier before reusing it.
 //   Its warps 1-3 stage the hooks' per-key loads of each tile in shared memory
-//   (StagedColumns), in stages of their own, so the consumers spend no registers on them.
+//   (StagedColumns), in stages of their own, so the consumers spend no registers on them, and
+//   fill each consumer's table of score_mod's relative terms there (RelTable).
 //   It gives most of its registers to the consumers.
 // - the consumers, 64 q rows each: per kv tile j a consumer issues S_j = Q.K_j^T and
 //   O += P_{j-1}.V_{j-1} back to back, then runs the hooks and the online softmax of tile j while
@@ -351,8 +352,8 @@ __device__ __forceinline__ void load_b_tile(unsigned dst, const FlexcTensorMap& 
 // round r (tile j = r * kStages + s, counted over the CTA's items) is reused once every consumer
 // released round r - 1. The ring holds a word per tile and one (kEnd) per item: tile j's is word
 // j + k. The item and its Q are published once the consumers are done with the last one's Q
-// (q_empty). With staged loads it also hands each stage's kv index, batch and head to the
-// loaders once the consumers released the stage.
+// (q_empty). With staged loads or tables it also hands each stage's kv index, batch, head and q
+// tile's first row to the loaders once the consumers released the stage.
 __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
                                         const FlexcTensorMap& tq, const FlexcTensorMap& tk,
                                         const FlexcTensorMap& tv, const FlexcTensorMap& tb,
