@@ -80,6 +80,8 @@ TEST_CASE("numbers on the command line are decimal, in range, with readable limi
           "attention_bwd: v head dim 64 differs from the head dim 128");
   refused("run @noop --random 1,2,2,16,16,64 --scale 0x1p3",
           "--scale: '0x1p3' is not a finite decimal number");
+  refused("compile @causal --arch sm_90 --kernel attention_bwd_sm90 --head-dim 64 --varlen",
+          "attention_bwd_sm90 takes no packed sequences (varlen): the forward kernels do");
 }
 
 TEST_CASE("repeated NAME=VALUE options and empty lists are errors", "[cli]") {

@@ -16,6 +16,7 @@
 //                   gallery's)
 //                   [--dtype bf16|fp16]
 //                   [--backward [--atomic-dq | --deterministic]] [--precision fast,exact,approx]
+//                   [--packed]  (each case also as packed sequences, FlashAttention's varlen)
 //                   [--json]
 //
 // FLOPs = 4 * B * H * S * S * D * density (2 * B * H * S * S * (D + Dv) * density when v's head
@@ -173,7 +174,7 @@ int main(int argc, char** argv) {
   bool json = false, backward = false, atomic_dq = false, deterministic = false;
   std::vector<std::string> kernel_names{"auto"}, precision_names{"fast"};
   std::string gallery;
-  bool head_dims = false;
+  bool head_dims = false, packed = false;
   std::vector<int64_t> seqs{1024, 4096, 16384};
   app.add_option("--cases", only, "case names to run (default: all)")->delimiter(',');
   app.add_option("--gallery", gallery,
@@ -209,8 +210,16 @@ int main(int argc, char** argv) {
                "faster for the kernel)");
   app.add_flag("--deterministic", deterministic,
                "with --backward: BackwardOptions::deterministic = true");
+  app.add_flag("--packed", packed,
+               "forward: also time each case as B packed sequences of S tokens "
+               "(AttentionOptions::packed; rows KERNEL_packed), with q, k, v and out in the "
+               "[B, S, H, D] layout for both");
   app.add_flag("--json", json, "also print one JSON object per case (for tools/bench_peers.py)");
   CLI11_PARSE(app, argc, argv);
+  if (packed && backward) {
+    std::fprintf(stderr, "bench_attention: --packed times the forward\n");
+    return 2;
+  }
   if (atomic_dq && deterministic) {
     std::fprintf(stderr, "bench_attention: --atomic-dq and --deterministic exclude each other\n");
     return 2;
@@ -245,15 +254,28 @@ int main(int argc, char** argv) {
       buf.upload(host.data(), host.size() * 2);
       flexc::DeviceBuffer out(n * 2), grads(backward ? 3 * n * 2 : 2);
       flexc::DeviceBuffer lse(B * H * c.s * 4);
-      const TensorView out_view{out.get(), dtype, {B, H, c.s, dv}, {}};
+      // [B, S, H, D] strides with --packed (the packed sequences' layout), else contiguous.
+      const auto layout = [&](int64_t d) {
+        return packed ? std::vector<int64_t>{c.s * H * d, d, H * d, 1} : std::vector<int64_t>{};
+      };
+      const TensorView out_view{out.get(), dtype, {B, H, c.s, dv}, layout(dv)};
       const TensorView lse_view{lse.get(), DType::F32, {B, H, c.s}, {}};
       const auto grad = [&](int64_t i) {
         return TensorView{static_cast<uint16_t*>(grads.get()) + i * n, dtype, {B, H, c.s, c.d}, {}};
       };
       // q, k, v (v's head dim), dout.
       const auto at = [&](int64_t i) {
-        return TensorView{static_cast<uint16_t*>(buf.get()) + i * n, dtype,
-                          {B, H, c.s, i == 2 ? dv : c.d}, {}};
+        return TensorView{static_cast<uint16_t*>(buf.get()) + i * n,
+                          dtype,
+                          {B, H, c.s, i == 2 ? dv : c.d},
+                          layout(i == 2 ? dv : c.d)};
+      };
+      // --packed: the same tensors as B sequences of S tokens, [B * S, H, D].
+      std::vector<int32_t> cu(size_t(B) + 1);
+      for (int64_t b = 0; b <= B; ++b) cu[size_t(b)] = int32_t(b * c.s);
+      const flexc::DeviceBuffer cu_dev = flexc::DeviceBuffer::from<int32_t>(cu);
+      const auto rows = [&](const TensorView& t) {
+        return TensorView{t.data, dtype, {B * c.s, H, t.shape[3]}, {H * t.shape[3], t.shape[3], 1}};
       };
       AttentionOptions opts;
       opts.stream = stream.get();
@@ -305,22 +327,8 @@ int main(int argc, char** argv) {
           bopts.stream = stream.get();
           if (atomic_dq || deterministic) bopts.deterministic = deterministic;
         }
-        for (FwdKernel kernel : kernels) {
-          opts.kernel = kernel;
-          bopts.kernel = kernel;  // (the backward's forward ran once above, with the default)
-          std::vector<double> ms;
-          for (int r = 0; r < reps + 3; ++r) {
-            flexc::EventTimer t;
-            t.start(stream.get());
-            if (backward)
-              attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),
-                                 {grad(0), grad(1), grad(2), cap_grads}, v, bopts);
-            else
-              attention(at(0), at(1), at(2), out_view, v, opts);
-            t.stop(stream.get());
-            if (r >= 3) ms.push_back(t.elapsed_ms());
-          }
-          const double t = median(ms);
+        // One row of the table (and JSON): `suffix` marks the packed sequences' call.
+        const auto report = [&](FwdKernel kernel, double t, std::string_view suffix) {
           const double tflops = (backward ? 2.5 : 1.0) * 2.0 * double(B * H) * double(c.s) *
                                 double(c.s) * double(c.d + dv) * dens / t * 1e-9;
           const std::string kname =
@@ -331,7 +339,7 @@ int main(int argc, char** argv) {
                                               : "",
                               kernel == FwdKernel::Auto ? "" : "_" + std::string(to_string(kernel)))
                         : std::string(to_string(kernel))) +
-              (precision == "fast" ? "" : "_" + precision);
+              (precision == "fast" ? "" : "_" + precision) + std::string(suffix);
           fmt::print("| {} | {} | {} | {} | {} | {} | {:.4f} | {:.3f} | {:.1f} |\n", c.name, kname,
                      c.s, c.d, B, H, dens, t, tflops);
           if (json)
@@ -340,6 +348,42 @@ int main(int argc, char** argv) {
                 "{:.6f}, \"ms\": {:.6f}, \"tflops\": {:.2f}}}\n",
                 c.name, kname, c.s, c.d, dens, t, tflops);
           std::fflush(stdout);
+        };
+        // The median time of `call` over reps, after 3 warm-up calls.
+        const auto time_calls = [&](const auto& call) {
+          std::vector<double> ms;
+          for (int r = 0; r < reps + 3; ++r) {
+            flexc::EventTimer t;
+            t.start(stream.get());
+            call();
+            t.stop(stream.get());
+            if (r >= 3) ms.push_back(t.elapsed_ms());
+          }
+          return median(ms);
+        };
+        for (FwdKernel kernel : kernels) {
+          opts.kernel = kernel;
+          bopts.kernel = kernel;  // (the backward's forward ran once above, with the default)
+          report(kernel, time_calls([&] {
+                   if (backward)
+                     attention_backward(at(0), at(1), at(2), out_view, lse_view, at(3),
+                                        {grad(0), grad(1), grad(2), cap_grads}, v, bopts);
+                   else
+                     attention(at(0), at(1), at(2), out_view, v, opts);
+                 }),
+                 "");
+          if (packed) {
+            AttentionOptions po = opts;
+            po.packed = PackedSequences{{cu_dev.get(), DType::I32, {B + 1}, {}},
+                                        {cu_dev.get(), DType::I32, {B + 1}, {}},
+                                        c.s,
+                                        c.s};
+            po.lse = TensorView{lse.get(), DType::F32, {H, B * c.s}, {}};
+            report(kernel, time_calls([&] {
+                     attention(rows(at(0)), rows(at(1)), rows(at(2)), rows(out_view), v, po);
+                   }),
+                   "_packed");
+          }
         }
       }
     }

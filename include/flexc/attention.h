@@ -34,6 +34,26 @@ std::string_view to_string(FwdKernel k);
 // The inverse; throws flexc::Error naming the choices.
 FwdKernel parse_fwd_kernel(std::string_view name);
 
+// Packed sequences, as FlashAttention's varlen functions take them (docs/attention.md, "Packed
+// sequences"): q and out [TOTAL_Q, Hq, D / Dv], k and v [TOTAL_KV, Hkv, D / Dv], sequence b's
+// queries rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and out, its keys rows
+// cu_seqlens_kv[b] .. cu_seqlens_kv[b + 1] - 1 of k and v. The mods see b = the sequence, q_idx
+// and kv_idx its rows' positions from 0, q_len and kv_len its lengths. Any token / head strides
+// (16-byte aligned rows, contiguous head dim).
+struct PackedSequences {
+  // int32 [B + 1] on the device, non-decreasing from 0 to TOTAL_Q (TOTAL_KV).
+  TensorView cu_seqlens_q, cu_seqlens_kv;
+  // At least each sequence's queries / keys: the grid's and the BlockMask's lengths (create it
+  // with B, Hq, max_seqlen_q, max_seqlen_kv; its mask_mod may not read q_len or kv_len), and what
+  // captures' Q_LEN / KV_LEN dims take (B their sequence's).
+  int64_t max_seqlen_q = 0, max_seqlen_kv = 0;
+  // Copy cu_seqlens_q / _kv to the host and check them, with an error naming the argument.
+  // Synchronizes the stream: for debugging, not inside a graph. Without it a bad value never
+  // reads or writes out of bounds: a sequence whose queries fall outside q (or exceed
+  // max_seqlen_q) is skipped, one whose keys do comes out NaN.
+  bool check_device_args = false;
+};
+
 struct AttentionOptions {
   // The tiles to compute, from create_block_mask of the same variant (same lengths; nb / nh 1 or
   // B / Hq; tile sizes multiples of the kernel's, which the default 128 x 128 is). Without one
@@ -70,6 +90,9 @@ struct AttentionOptions {
   // over both, by the log-sum-exp combine. Keys split into calls (ring attention's steps, a KV
   // cache in segments) merge in place, with no buffer for the parts and no rounding between them.
   bool accumulate = false;
+  // Packed sequences instead of [B, H, SEQ, D] tensors (above); lse is then float32 [Hq,
+  // TOTAL_Q], contiguous. Not with the positions above, accumulate, or a backward (yet).
+  std::optional<PackedSequences> packed;
 };
 
 // Enqueues the kernel on opts.stream (compiling it on first use: later calls with the same

@@ -45,6 +45,9 @@ struct KernelBuild {
   // equal head dims 128, 192, 256), which flexc::attention runs where the variant's hooks load
   // nothing per tile (docs/attention.md). Another kernel, or other head dims, throw.
   bool wide_kv = false;
+  // The forward kernels' build for packed sequences (AttentionOptions::packed), which such calls
+  // run (docs/attention.md). A backward kernel throws.
+  bool varlen = false;
 };
 
 struct CompiledKernel {

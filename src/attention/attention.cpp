@@ -27,7 +27,8 @@
 static_assert(offsetof(FlexcAttentionParams, q_stride) == 40 &&
               offsetof(FlexcAttentionParams, batch) == 136 &&
               offsetof(FlexcAttentionParams, scale_log2) == 176 &&
-              sizeof(FlexcAttentionParams) == 184);
+              offsetof(FlexcAttentionParams, cu_seqlens_q) == 184 &&
+              sizeof(FlexcAttentionParams) == 216);
 
 namespace flexc {
 
@@ -320,6 +321,10 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
       detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m, cfg.wide_kv);
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
+  if (cfg.varlen && (cfg.persistent || cfg.tile_tma))
+    throw Error(
+        "attention_fwd_sm90 over packed sequences (varlen) takes a CTA per work item and "
+        "no tile TMA (persistent and tile_tma must be off)");
   KernelSpec spec{
       "attention_fwd_sm90.cuh",
       "flexc_attention_fwd_sm90",
@@ -366,30 +371,107 @@ FwdKernel parse_fwd_kernel(std::string_view name) {
 
 namespace {
 
+// Packed sequences (AttentionOptions::packed) as the kernels see them: the tensors as one batch
+// of their rows ([1, H, TOTAL, D] views), the LSE as [1, Hq, TOTAL_Q], and the sequences.
+struct Packed {
+  TensorView q, k, v, out;
+  std::optional<TensorView> lse;
+  int64_t count = 0;  // sequences
+};
+
+// [TOTAL, H, D] as [1, H, TOTAL, D] (the kernels' layout); other ranks fail, naming `name`.
+TensorView rows_as_batch(const TensorView& t, const char* name, const char* shape) {
+  if (t.rank() != 3 || (!t.strides.empty() && t.strides.size() != 3))
+    fail(fmt::format("packed sequences: {} must be {}; got {}", name, shape, t.describe()));
+  const int64_t st = t.stride(0), sh = t.stride(1), sd = t.stride(2);
+  return {t.data, t.dtype, {1, t.shape[1], t.shape[0], t.shape[2]}, {st * t.shape[0], sh, st, sd}};
+}
+
+Packed packed_views(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& out, const AttentionOptions& opts) {
+  const PackedSequences& ps = *opts.packed;
+  Packed pk;
+  pk.q = rows_as_batch(q, "q", "[TOTAL_Q, Hq, D]");
+  pk.k = rows_as_batch(k, "k", "[TOTAL_KV, Hkv, D]");
+  pk.v = rows_as_batch(v, "v", "[TOTAL_KV, Hkv, Dv]");
+  pk.out = rows_as_batch(out, "out", "[TOTAL_Q, Hq, Dv]");
+  const TensorView& cq = ps.cu_seqlens_q;
+  if (cq.rank() != 1 || cq.shape[0] < 2)
+    fail(fmt::format("packed.cu_seqlens_q must be int32 [B + 1], B >= 1; got {}", cq.describe()));
+  pk.count = cq.shape[0] - 1;
+  detail::check_int_vector(kWhat, "packed.cu_seqlens_q", cq, pk.count + 1, "B + 1");
+  detail::check_int_vector(kWhat, "packed.cu_seqlens_kv", ps.cu_seqlens_kv, pk.count + 1, "B + 1");
+  const int64_t total_q = q.shape[0], total_kv = k.shape[0];
+  for (auto [name, len, total] : {std::tuple{"max_seqlen_q", ps.max_seqlen_q, total_q},
+                                  {"max_seqlen_kv", ps.max_seqlen_kv, total_kv}})
+    if (len < 0 || len > total)
+      fail(fmt::format("packed.{} = {} must lie in [0, {}] (the packed rows)", name, len, total));
+  if (opts.q_offset || opts.kv_offset || opts.seq_q_len || opts.seq_kv_len || opts.accumulate)
+    fail("packed sequences take no q_offset, kv_offset, seq_q_len, seq_kv_len or accumulate");
+  if (opts.lse) {
+    const TensorView& l = *opts.lse;
+    const int64_t Hq = q.shape[1];
+    if (l.dtype != DType::F32 || l.shape != std::vector<int64_t>{Hq, total_q} ||
+        (!l.strides.empty() && l.strides != std::vector<int64_t>{total_q, 1}) ||
+        l.data == nullptr || reinterpret_cast<uintptr_t>(l.data) % 4 != 0)
+      fail(
+          fmt::format("lse must be contiguous float32 [Hq, TOTAL_Q] = [{}, {}] with packed "
+                      "sequences; got {}",
+                      Hq, total_q, l.describe()));
+    pk.lse = TensorView{l.data, l.dtype, {1, Hq, total_q}, {}};
+  }
+  if (ps.check_device_args) {
+    for (auto [name, t, total, max] :
+         {std::tuple{"cu_seqlens_q", &cq, total_q, ps.max_seqlen_q},
+          {"cu_seqlens_kv", &ps.cu_seqlens_kv, total_kv, ps.max_seqlen_kv}}) {
+      const std::vector<int32_t> cu = detail::int32_to_host(kWhat, *t, pk.count + 1, opts.stream);
+      if (cu[0] != 0 || cu.back() != total)
+        fail(fmt::format("packed.{} must run from 0 to {} (the packed rows); it runs from {} to {}",
+                         name, total, cu[0], cu.back()));
+      for (int64_t b = 0; b < pk.count; ++b)
+        if (cu[b + 1] < cu[b] || cu[b + 1] - cu[b] > max)
+          fail(
+              fmt::format("packed.{}: sequence {} has {} rows ({} .. {}); 0 to {} (max_seqlen) "
+                          "allowed",
+                          name, b, int64_t(cu[b + 1]) - cu[b], cu[b], cu[b + 1], max));
+    }
+  }
+  return pk;
+}
+
 // flexc::attention, and with `enqueue` false prepare_attention: every check and choice, the
-// kernel compiled, loaded and its shared memory raised, then nothing enqueued.
+// kernel compiled, loaded and its shared memory raised, then nothing enqueued. With `packed`,
+// q / k / v / out and opts.lse are its views.
 void forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-             const Variant& variant, const AttentionOptions& opts, bool enqueue) {
+             const Variant& variant, const AttentionOptions& opts, bool enqueue,
+             const Packed* packed = nullptr) {
   const DType dtype = q.dtype;
   detail::check_qkv(kWhat, "q", q, dtype);
   detail::check_qkv(kWhat, "k", k, dtype);
   detail::check_qkv(kWhat, "v", v, dtype);
   // out: q's dtype, or float32 (unrounded: a part merged later, as ring attention's blocks).
   detail::check_qkv(kWhat, "out", out, dtype, /*or_f32=*/true);
-  const int64_t B = q.shape[0], Hq = q.shape[1], q_len = q.shape[2], D = q.shape[3];
-  const int64_t Hkv = k.shape[1], kv_len = k.shape[2], Dv = v.shape[3];
-  if (k.shape[0] != B || k.shape[3] != D)
-    fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
-                     k.describe()));
-  if (v.shape[0] != B || v.shape[1] != Hkv || v.shape[2] != kv_len)
-    fail(fmt::format("v must be [B, Hkv, KV_LEN, Dv] = [{}, {}, {}, *] like k; got {}", B, Hkv,
-                     kv_len, v.describe()));
-  if (out.shape != std::vector<int64_t>{B, Hq, q_len, Dv})
-    fail(
-        fmt::format("out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}] (q's, with v's head dim); "
-                    "got {}",
-                    B, Hq, q_len, Dv, out.describe()));
-  detail::check_sizes(kWhat, B, Hq, Hkv, q_len, kv_len);
+  const int64_t Hq = q.shape[1], D = q.shape[3], Hkv = k.shape[1], Dv = v.shape[3];
+  {
+    const int64_t B = q.shape[0], q_len = q.shape[2], kv_len = k.shape[2];
+    if (k.shape[0] != B || k.shape[3] != D)
+      fail(fmt::format("k must be [B, Hkv, KV_LEN, D] = [{}, *, *, {}] like q; got {}", B, D,
+                       k.describe()));
+    if (v.shape[0] != B || v.shape[1] != Hkv || v.shape[2] != kv_len)
+      fail(fmt::format("v must be [B, Hkv, KV_LEN, Dv] = [{}, {}, {}, *] like k; got {}", B, Hkv,
+                       kv_len, v.describe()));
+    if (out.shape != std::vector<int64_t>{B, Hq, q_len, Dv})
+      fail(fmt::format(
+          "out must be [B, Hq, Q_LEN, Dv] = [{}, {}, {}, {}] (q's, with v's head dim); got {}", B,
+          Hq, q_len, Dv, out.describe()));
+    detail::check_sizes(kWhat, B, Hq, Hkv, q_len, kv_len);
+    if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
+  }
+  // The kernel's batch and lengths: packed sequences' count and longest, else the tensors'.
+  const int64_t B = packed ? packed->count : q.shape[0];
+  const int64_t q_len = packed ? opts.packed->max_seqlen_q : q.shape[2];
+  const int64_t kv_len = packed ? opts.packed->max_seqlen_kv : k.shape[2];
+  if (packed) detail::check_sizes(kWhat, B, Hq, Hkv, q_len, kv_len);
   for (auto [name, d] : {std::pair{"q", D}, {"v", Dv}})
     if (!detail::fwd_supports(d))
       fail(fmt::format("{}: head dim {} is not supported ({})", name, d, detail::kFwdHeadDims));
@@ -414,7 +496,6 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   const detail::Positions pos =
       detail::resolve_positions(kWhat, q_len, kv_len, opts.q_offset, opts.kv_offset, opts.seq_q_len,
                                 opts.seq_kv_len, kMaxInt - 256);
-  if (opts.lse) detail::check_rows(kWhat, "lse", *opts.lse, B, Hq, q_len);
   if (opts.accumulate && (out.dtype != DType::F32 || !opts.lse))
     fail(fmt::format("accumulate merges into a float32 out and its lse; out is {}{}",
                      dtype_name(out.dtype), opts.lse ? "" : " and lse is not set"));
@@ -428,6 +509,10 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   if (opts.lse)
     for (auto [name, t] : {std::pair{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}})
       if (detail::overlap(*opts.lse, *t)) fail(fmt::format("lse overlaps {}", name));
+  if (packed && opts.block_mask && (variant.mask_deps().q_len || variant.mask_deps().kv_len))
+    fail(
+        "packed sequences: mask_mod reads q_len or kv_len, which differ by sequence, so one "
+        "BlockMask cannot serve them all; pass none (mask_mod then runs on every tile)");
   if (opts.block_mask) {
     detail::check_block_mask(kWhat, *opts.block_mask, B, Hq, q_len, kv_len, pos, portable.block_m,
                              portable.block_n);
@@ -457,10 +542,12 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
                      D, cfg.smem_bytes / 1024, dev.max_smem / 1024));
   kc.positions = pos.need_kernel(q_len, kv_len, true);
   kc.f32_out = out.dtype == DType::F32, kc.accumulate = opts.accumulate;
-  // Short sequences on Hopper: a persistent grid.
-  kc.persistent = hopper && detail::fwd_sm90_persistent(
-                                cfg, int(D), int(Dv), kv_len,
-                                (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
+  kc.varlen = packed != nullptr;
+  // Short sequences on Hopper: a persistent grid (a CTA per item over packed sequences).
+  kc.persistent =
+      hopper && !packed &&
+      detail::fwd_sm90_persistent(cfg, int(D), int(Dv), kv_len,
+                                  (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
   // score_mod's [Q_LEN, KV_LEN] tile load by TMA on Hopper, where the capture's layout and shared
   // memory allow (templates/attention/attention_fwd_sm90.cuh, kTileTma).
   const dsl::LaunchFacts& facts = impl.facts;
@@ -472,7 +559,7 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   std::optional<FlexcTensorMap> tile_map;
   const auto tile_tma = [&] {
     tile_map.reset();
-    if (!hopper || facts.score_tile_slot < 0 || facts.score_tile_q_dim < 0 ||
+    if (!hopper || packed || facts.score_tile_slot < 0 || facts.score_tile_q_dim < 0 ||
         captures[size_t(facts.score_tile_slot)] == nullptr)
       return false;
     if (smem_of(true) > int64_t(std::min<size_t>(dev.max_smem, 227 * 1024))) return false;
@@ -535,6 +622,13 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   p.hook_q_len = int(pos.seq_q_len), p.hook_kv_len = int(pos.seq_kv_len);
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  if (packed) {
+    // One batch of rows: each CTA finds its sequence's from cu_seqlens.
+    p.q_stride[0] = p.k_stride[0] = p.v_stride[0] = p.o_stride[0] = 0;
+    p.cu_seqlens_q = static_cast<const int*>(opts.packed->cu_seqlens_q.data);
+    p.cu_seqlens_kv = static_cast<const int*>(opts.packed->cu_seqlens_kv.data);
+    p.total_q = int(q.shape[2]), p.total_kv = int(k.shape[2]);
+  }
   FlexcArgs args = detail::kernel_args(impl, params, captures);
   // The Hopper kernel also takes the TMA descriptors of q, k and v, and of its tile load (unused
   // without kTileTma).
@@ -560,17 +654,28 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
                  unsigned(B), unsigned(cfg.threads), smem, opts.stream, argv.data());
 }
 
+// forward() over the tensors as given, or over packed sequences' views.
+void forward_call(const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& out, const Variant& variant, const AttentionOptions& opts,
+                  bool enqueue) {
+  if (!opts.packed) return forward(q, k, v, out, variant, opts, enqueue);
+  const Packed pk = packed_views(q, k, v, out, opts);
+  AttentionOptions o = opts;
+  o.lse = pk.lse;
+  forward(pk.q, pk.k, pk.v, pk.out, variant, o, enqueue, &pk);
+}
+
 }  // namespace
 
 void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                const Variant& variant, const AttentionOptions& opts) {
-  forward(q, k, v, out, variant, opts, true);
+  forward_call(q, k, v, out, variant, opts, true);
 }
 
 void prepare_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                        const TensorView& out, const Variant& variant,
                        const AttentionOptions& opts) {
-  forward(q, k, v, out, variant, opts, false);
+  forward_call(q, k, v, out, variant, opts, false);
 }
 
 }  // namespace flexc

@@ -63,18 +63,21 @@ namespace jit {
 
 namespace {
 
-void check_one_head_dim(std::string_view kernel, const KernelConfig& cfg) {
+void check_backward_build(std::string_view kernel, const KernelConfig& cfg) {
   if (cfg.v_head_dim != 0 && cfg.v_head_dim != cfg.head_dim)
     throw Error(
         fmt::format("{}: v head dim {} differs from the head dim {} (the backward kernels "
                     "need them equal)",
                     kernel, cfg.v_head_dim, cfg.head_dim));
+  if (cfg.varlen)
+    throw Error(
+        fmt::format("{} takes no packed sequences (varlen): the forward kernels do", kernel));
 }
 
 KernelSpec bwd_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config(cfg.head_dim);
   check_dtype("attention_bwd", cfg);
-  check_one_head_dim("attention_bwd", cfg);
+  check_backward_build("attention_bwd", cfg);
   KernelSpec spec{"attention_bwd.cuh",
                   "flexc_attention_bwd",
                   {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -92,7 +95,7 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
   const detail::TileConfig c = detail::bwd_config_sm90(cfg.head_dim);
   check_dtype("attention_bwd_sm90", cfg);
   check_sm90_arch("attention_bwd_sm90", cfg);
-  check_one_head_dim("attention_bwd_sm90", cfg);
+  check_backward_build("attention_bwd_sm90", cfg);
   KernelSpec spec{"attention_bwd_sm90.cuh",
                   "flexc_attention_bwd_sm90",
                   {{"FLEXC_HEAD_DIM", std::to_string(cfg.head_dim)},
@@ -109,7 +112,7 @@ KernelSpec bwd_sm90_spec(const KernelConfig& cfg, bool deterministic) {
 
 KernelSpec attention_bwd_rows_spec(const KernelConfig& cfg) {
   check_dtype("attention_bwd_rows", cfg);
-  check_one_head_dim("attention_bwd_rows", cfg);
+  check_backward_build("attention_bwd_rows", cfg);
   detail::bwd_config(cfg.head_dim);  // the head dims the backward takes
   KernelSpec spec{"attention_bwd_rows.cuh",
                   "flexc_attention_bwd_prep",

@@ -172,6 +172,26 @@ void check_rows(std::string_view what, const char* name, const TensorView& t, in
                     name, B, Hq, q_len, t.describe()));
 }
 
+void check_int_vector(std::string_view what, const char* name, const TensorView& t, int64_t n,
+                      std::string_view dims) {
+  if (t.dtype != DType::I32 || t.shape != std::vector<int64_t>{n} ||
+      (!t.strides.empty() && t.strides[0] != 1 && n > 1) || t.data == nullptr ||
+      reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
+    throw Error(fmt::format("{}: {} must be contiguous int32 [{}] = [{}] on the device; got {}",
+                            what, name, dims, n, t.describe()));
+}
+
+std::vector<int32_t> int32_to_host(std::string_view what, const TensorView& t, int64_t elements,
+                                   CUstream_st* stream) {
+  std::vector<int32_t> out(static_cast<size_t>(elements));
+  const jit::DriverApi& d = jit::driver(fmt::format("reading {}'s device arguments", what));
+  jit::check(d.cuMemcpyDtoHAsync(out.data(), reinterpret_cast<CUdeviceptr>(t.data),
+                                 out.size() * sizeof(int32_t), stream),
+             fmt::format("copying {} to the host", t.describe()));
+  jit::check(d.cuStreamSynchronize(stream), fmt::format("waiting for {}'s device arguments", what));
+  return out;
+}
+
 bool is_empty(const TensorView& t) {
   return std::find(t.shape.begin(), t.shape.end(), 0) != t.shape.end();
 }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "attention/attention_args.h"
 #include "flexc/attention.h"
@@ -42,6 +43,14 @@ void check_sizes(std::string_view what, int64_t B, int64_t Hq, int64_t Hkv, int6
 // A float32 [B, Hq, Q_LEN] contiguous row vector (lse, dlse), 4-byte aligned.
 void check_rows(std::string_view what, const char* name, const TensorView& t, int64_t B, int64_t Hq,
                 int64_t q_len);
+
+// A contiguous int32 device vector of `n` elements (`dims` names n in the message: "B").
+void check_int_vector(std::string_view what, const char* name, const TensorView& t, int64_t n,
+                      std::string_view dims = "B");
+// The first `elements` int32 values at t.data, copied to the host on `stream` (synchronized):
+// the options that check device arguments.
+std::vector<int32_t> int32_to_host(std::string_view what, const TensorView& t, int64_t elements,
+                                   CUstream_st* stream);
 
 // No elements (tested per dim: numel() can overflow on shapes not yet bounded).
 bool is_empty(const TensorView& t);

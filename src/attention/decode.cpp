@@ -76,32 +76,12 @@ constexpr std::string_view kWhat = "flexc::decode";
 
 constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
 
-// A device int32 vector of `n` elements, contiguous.
-void check_int_vector(const char* name, const TensorView& t, int64_t n) {
-  if (t.dtype != DType::I32 || t.shape != std::vector<int64_t>{n} ||
-      (!t.strides.empty() && t.strides[0] != 1 && n > 1) || t.data == nullptr ||
-      reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
-    fail(fmt::format("{} must be contiguous int32 [B] = [{}] on the device; got {}", name, n,
-                     t.describe()));
-}
-
-template <class T>
-std::vector<T> to_host(const TensorView& t, int64_t elements, CUstream stream) {
-  std::vector<T> out(static_cast<size_t>(elements));
-  const jit::DriverApi& d = jit::driver("reading flexc::decode's device arguments");
-  jit::check(d.cuMemcpyDtoHAsync(out.data(), reinterpret_cast<CUdeviceptr>(t.data),
-                                 out.size() * sizeof(T), stream),
-             fmt::format("copying {} to the host", t.describe()));
-  jit::check(d.cuStreamSynchronize(stream), "waiting for flexc::decode's device arguments");
-  return out;
-}
-
 // DecodeOptions::check_device_args: the device data against the sizes.
 void check_device_args(const KvCache& c, int64_t B, int64_t q_len, int64_t capacity,
                        int64_t page_size, int64_t num_pages, CUstream stream) {
-  const std::vector<int32_t> lens = to_host<int32_t>(c.kv_lens, B, stream);
+  const std::vector<int32_t> lens = detail::int32_to_host(kWhat, c.kv_lens, B, stream);
   std::vector<int32_t> offsets;
-  if (c.q_offsets) offsets = to_host<int32_t>(*c.q_offsets, B, stream);
+  if (c.q_offsets) offsets = detail::int32_to_host(kWhat, *c.q_offsets, B, stream);
   for (int64_t b = 0; b < B; ++b) {
     if (lens[b] < 0 || lens[b] > capacity)
       fail(fmt::format("kv_lens[{}] = {} is outside [0, {}] (the cache's capacity{})", b, lens[b],
@@ -115,7 +95,7 @@ void check_device_args(const KvCache& c, int64_t B, int64_t q_len, int64_t capac
   const int64_t width = pt.shape[1], row = pt.stride(0);
   // The rows as strided in memory: read the span and pick the rows out.
   const int64_t span = (B - 1) * row + width;
-  const std::vector<int32_t> table = to_host<int32_t>(pt, span, stream);
+  const std::vector<int32_t> table = detail::int32_to_host(kWhat, pt, span, stream);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (lens[b] + page_size - 1) / page_size;
     for (int64_t i = 0; i < used; ++i) {
@@ -213,8 +193,8 @@ void run_decode(const TensorView& q, const KvCache& cache, const TensorView& out
   }
   if (capacity > kMaxInt - 256)
     fail(fmt::format("the cache's capacity {} exceeds the kernel's int32 positions", capacity));
-  check_int_vector("cache.kv_lens", cache.kv_lens, B);
-  if (cache.q_offsets) check_int_vector("cache.q_offsets", *cache.q_offsets, B);
+  detail::check_int_vector(kWhat, "cache.kv_lens", cache.kv_lens, B);
+  if (cache.q_offsets) detail::check_int_vector(kWhat, "cache.q_offsets", *cache.q_offsets, B);
   if (q_len > kMaxInt / 256) fail(fmt::format("Q_LEN = {} is too large", q_len));
   const double scale = opts.scale.value_or(1.0 / std::sqrt(static_cast<double>(D)));
   if (!(std::isfinite(scale) && scale > 0))

@@ -24,6 +24,7 @@ void add_build_defines(const KernelConfig& cfg,
                        std::vector<std::pair<std::string, std::string>>& defines) {
   defines.emplace_back("FLEXC_POSITIONS", cfg.positions ? "1" : "0");
   add_f32_out_define(cfg, defines);
+  if (cfg.varlen) defines.emplace_back("FLEXC_VARLEN", "1");
 }
 
 namespace {

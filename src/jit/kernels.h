@@ -35,6 +35,9 @@ struct KernelConfig {
   // (templates/tile/attention_tile.cuh, kF32Out); with f32_out, `accumulate` adds the backward's
   // into them and merges the forward's into O and its LSE (kAddOut): ring attention's blocks.
   bool f32_out = false, accumulate = false;
+  // The forward kernels: packed sequences (FlexcAttentionParams::cu_seqlens_q; templates/tile/
+  // attention_tile.cuh, kVarlen); the Hopper one then takes no persistent grid or tile TMA.
+  bool varlen = false;
 };
 
 struct KnownKernel {
@@ -62,7 +65,8 @@ KernelSpec mods_eval_spec(const KernelConfig& cfg);
 KernelSpec blockmask_classify_spec(const KernelConfig& cfg);
 
 // The attention kernels' builds (forward and backward alike, templates/tile/attention_tile.cuh):
-// FLEXC_POSITIONS (cfg.positions) and FLEXC_F32_OUT, appended to `defines`.
+// FLEXC_POSITIONS (cfg.positions), FLEXC_F32_OUT and, where cfg.varlen, FLEXC_VARLEN, appended to
+// `defines`.
 void add_build_defines(const KernelConfig& cfg,
                        std::vector<std::pair<std::string, std::string>>& defines);
 // FLEXC_F32_OUT alone (templates/tile/attention_layout.cuh; 0: outputs in the input type; 1:

@@ -28,7 +28,7 @@ std::vector<jit::KernelSpec> specs_of(std::span<const KernelBuild> builds) {
     jit::KernelConfig cfg{b.arch, b.dtype, b.head_dim, b.v_head_dim};
     cfg.positions = b.positions;
     cfg.f32_out = b.f32_out, cfg.accumulate = b.accumulate;
-    cfg.wide_kv = b.wide_kv;
+    cfg.wide_kv = b.wide_kv, cfg.varlen = b.varlen;
     specs.push_back(jit::find_kernel(b.kernel).spec(cfg));
   }
   return specs;

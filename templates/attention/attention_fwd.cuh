@@ -70,7 +70,7 @@ using KvSchedule = flexc_attn::KvSchedule<kBlockN>;
 }  // namespace flexc_fwd
 
 extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
-    flexc_attention_fwd(const FlexcAttentionParams p, const FlexcArgs args,
+    flexc_attention_fwd(const FlexcAttentionParams params, const FlexcArgs args,
                         const FlexcBlockMask bm) {
   using namespace flexc_fwd;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -82,6 +82,15 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
+#if FLEXC_VARLEN
+  // Packed sequences: sequence b's rows; the grid covers the longest.
+  bool keys_ok;
+  const FlexcAttentionParams p = flexc_attn::sequence_params(params, b, keys_ok);
+  if (m_block * kBlockM >= p.q_len) return;
+  if (!keys_ok) return flexc_attn::put_nan_rows<kBlockM, kDv, kThreads>(p, b, h, m_block * kBlockM);
+#else
+  const FlexcAttentionParams& p = params;
+#endif
   const int h_kv = h / (p.q_heads / p.kv_heads);
   const int q0 = m_block * kBlockM;
   const int warp = threadIdx.x >> 5;

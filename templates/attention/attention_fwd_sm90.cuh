@@ -361,6 +361,10 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
                                         const FlexcArgs& args, const Item& it, int k, int& j) {
   const int h = it.h, b = it.b, q0 = it.m_block * kBlockM, active = active_consumers(p, q0);
   const int h_kv = h / (p.q_heads / p.kv_heads);
+  // Where the item's rows sit in q's, k's and v's maps: packed sequences are one batch of
+  // their rows (flexc_attn::sequence_params).
+  const int q_row0 = flexc_attn::kVarlen ? p.q_start : 0;
+  const int kv_row0 = flexc_attn::kVarlen ? p.kv_start : 0, map_b = flexc_attn::kVarlen ? 0 : b;
   int b_col = 0, b_row = 0;
   if constexpr (kTileTma) tile_origin(p, args, b, h, q0, b_col, b_row);
   // The BlockMask rows of the first and the last active consumer (wide tiles: one row).
@@ -403,7 +407,7 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
       st_shared(sm.item() + 4, unsigned(h));
       st_shared(sm.item() + 8, unsigned(b));
     }
-    load_tile<QTile>(sm.q, tq, q0, h, b, sm.q_full());
+    load_tile<QTile>(sm.q, tq, q_row0 + q0, h, map_b, sm.q_full());
   };
   if (!kPersistent || kv0 < 0) publish();
   for (bool published = !kPersistent || kv0 < 0; kv0 >= 0; ++j) {
@@ -412,7 +416,7 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
     const int next = tiles.next(bm, p.kv_len, kinds);
     mbar_wait(sm.k_empty(s), empty_parity);
     ring[(j + 1 + k) % kRing] = word(next, kinds);
-    load_tile<KTile>(sm.k_tile(s), tk, kv0, h_kv, b, sm.k_full(s));
+    load_tile<KTile>(sm.k_tile(s), tk, kv_row0 + kv0, h_kv, map_b, sm.k_full(s));
     if (!published) publish(), published = true;
     if constexpr (kTileTma) {
       mbar_wait(sm.b_empty(s), empty_parity);
@@ -420,7 +424,7 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
     }
     hand_over(sm, j, unsigned(kv0), unsigned(b) << 16 | unsigned(h), q0);
     mbar_wait(sm.v_empty(s), empty_parity);
-    load_tile<VTile>(sm.v_tile(s), tv, kv0, h_kv, b, sm.v_full(s));
+    load_tile<VTile>(sm.v_tile(s), tv, kv_row0 + kv0, h_kv, map_b, sm.v_full(s));
     kv0 = next;
   }
 }
@@ -455,7 +459,7 @@ __device__ __forceinline__ void load_staged(const Smem& sm, unsigned char* base,
 }  // namespace flexc_fwd90
 
 extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
-    flexc_attention_fwd_sm90(const FlexcAttentionParams p, const FlexcArgs args,
+    flexc_attention_fwd_sm90(const FlexcAttentionParams params, const FlexcArgs args,
                              const FlexcBlockMask bm, const __grid_constant__ FlexcTensorMap tq,
                              const __grid_constant__ FlexcTensorMap tk,
                              const __grid_constant__ FlexcTensorMap tv,
@@ -477,6 +481,19 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   volatile unsigned* ring = reinterpret_cast<volatile unsigned*>(q_smem + (sm.ring - sm.q));
   // Warp-uniform to the compiler too (a shuffle from lane 0), so role branches stay uniform.
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+#if FLEXC_VARLEN
+  // Packed sequences: the CTA's sequence's rows (a CTA per item: the host builds no persistent
+  // grid here); the grid covers the longest, and q tiles past this one's leave at once.
+  static_assert(!kPersistent && !kTileTma, "packed sequences take a CTA per item, no tile TMA");
+  bool keys_ok;
+  const FlexcAttentionParams p = flexc_attn::sequence_params(params, int(blockIdx.z), keys_ok);
+  const Item it = cta_item();
+  if (it.m_block * kBlockM >= p.q_len) return;
+  if (!keys_ok)
+    return flexc_attn::put_nan_rows<kBlockM, kDv, kThreads>(p, it.b, it.h, it.m_block * kBlockM);
+#else
+  const FlexcAttentionParams& p = params;
+#endif
 
   if (threadIdx.x == 0) {
     // The host sizes shared memory by this file's rule (src/attention/attention.cpp,

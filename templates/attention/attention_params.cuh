@@ -28,6 +28,16 @@ struct FlexcAttentionParams {
   int hook_q_len, hook_kv_len;
   float scale;       // softmax scale: score_mod sees scale * q.k
   float scale_log2;  // scale * log2(e), for identity score_mods
+  // Packed sequences (kernels built with FLEXC_VARLEN; flexc::attention's PackedSequences):
+  // sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and o, its keys
+  // rows cu_seqlens_kv[b] .. cu_seqlens_kv[b + 1] - 1 of k and v, the batch strides are 0, q_len
+  // and kv_len are the longest sequence's, and lse is [q_heads, total_q]. The kernel makes each
+  // CTA's own view (flexc_attn::sequence_params), whose q_start / kv_start are the sequence's first
+  // rows (0 in every other call).
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_kv;
+  int total_q, total_kv;  // q's and k's rows
+  int q_start, kv_start;
 };
 
 // What the backward kernels (templates/attention_bwd*.cuh) take beyond the forward's tensors:

@@ -28,6 +28,48 @@ using flexc_tile::neg_inf;
 #define FLEXC_POSITIONS 0
 #endif
 constexpr bool kPositions = FLEXC_POSITIONS != 0;
+// Packed sequences (the forward kernels built with FLEXC_VARLEN): the grid's batch index is the
+// sequence, and a CTA computes on its sequence's view of the params (sequence_params).
+#ifndef FLEXC_VARLEN
+#define FLEXC_VARLEN 0
+#endif
+constexpr bool kVarlen = FLEXC_VARLEN != 0;
+// Sequence b's view of packed params: its lengths, its first rows, and q, k, v, o and lse from
+// them (o and lse at out_rows / lse_rows: a register less held to the epilogue). Offsets that do
+// not describe rows of the tensors never read or write past them: a sequence whose queries fall
+// outside q's rows (or exceed q_len, the longest) gets none (its output is not written); one whose
+// keys do gets `keys_ok` false, and its CTAs write NaN rows (put_nan_rows) instead of attending.
+// Host checks: PackedSequences::check_device_args.
+__device__ __forceinline__ FlexcAttentionParams sequence_params(const FlexcAttentionParams& p,
+                                                                int b, bool& keys_ok) {
+  FlexcAttentionParams s = p;
+  const int q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
+  const int k0 = p.cu_seqlens_kv[b], k1 = p.cu_seqlens_kv[b + 1];
+  const bool q_ok = 0 <= q0 && q0 <= q1 && q1 <= p.total_q && q1 - q0 <= p.q_len;
+  keys_ok = 0 <= k0 && k0 <= k1 && k1 <= p.total_kv && k1 - k0 <= p.kv_len;
+  s.q_start = q_ok ? q0 : 0;
+  s.q_len = q_ok ? q1 - q0 : 0;
+  s.kv_start = keys_ok ? k0 : 0;
+  s.kv_len = keys_ok ? k1 - k0 : 0;
+  s.q = static_cast<const unsigned short*>(p.q) + s.q_start * p.q_stride[2];
+  s.k = static_cast<const unsigned short*>(p.k) + s.kv_start * p.k_stride[2];
+  s.v = static_cast<const unsigned short*>(p.v) + s.kv_start * p.v_stride[2];
+  return s;
+}
+// Row 0 of head (b, h)'s LSEs: [B, q_heads, q_len], or packed [q_heads, total_q] from the
+// sequence's first row (sequence_params).
+__device__ __forceinline__ float* lse_rows(const FlexcAttentionParams& p, int b, int h) {
+  if constexpr (kVarlen) return p.lse + static_cast<long long>(h) * p.total_q + p.q_start;
+  return p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+}
+// Row 0 of head (b, h) of the output (16-bit, or float32 in a FLEXC_F32_OUT build): packed, from
+// the sequence's first row.
+__device__ __forceinline__ void* out_rows(const FlexcAttentionParams& p, int b, int h) {
+  char* o = static_cast<char*>(head_rows(p.o, p.o_stride, b, h));
+  if constexpr (kVarlen) o += p.q_start * p.o_stride[2] * (kF32Out ? 4 : 2);
+  return o;
+}
+
 // A kernel built with FLEXC_ROWS_APART computes the rowless score (FlexcVariant::kRowless):
 // score_mod without its row terms, in units of kRowlessUnits. A value added to a row's every
 // score changes only its LSE: the forward kernels add the row terms to each row's LSE in their
@@ -897,13 +939,31 @@ __device__ __forceinline__ void add_row_terms(float (&inv_sum)[MT][2], float (&l
   }
 }
 
+// Rows [q0, q0 + ROWS) of head (b, h) below q_len as NaN, and their LSEs, by THREADS threads: a
+// packed sequence whose keys' offsets are bad (sequence_params).
+template <int ROWS, int DV, int THREADS>
+__device__ void put_nan_rows(const FlexcAttentionParams& p, int b, int h, int q0) {
+  const int rows = min(ROWS, p.q_len - q0);
+  char* o = static_cast<char*>(out_rows(p, b, h));
+  for (int i = threadIdx.x; i < rows * DV; i += THREADS) {
+    char* at = o + ((q0 + i / DV) * p.o_stride[2] + i % DV) * (kF32Out ? 4 : 2);
+    if constexpr (kF32Out)
+      *reinterpret_cast<float*>(at) = __int_as_float(0x7fffffff);
+    else
+      *reinterpret_cast<unsigned short*>(at) = 0x7fff;  // NaN in bf16 and fp16 alike
+  }
+  if (p.lse != nullptr)
+    for (int r = threadIdx.x; r < rows; r += THREADS)
+      lse_rows(p, b, h)[q0 + r] = __int_as_float(0x7fffffff);
+}
+
 // A warp's rows' LSEs (rows at or past q_len skipped), where p.lse is set.
 template <int MT>
 __device__ __forceinline__ void put_lse(const float (&lse)[MT][2], const FlexcAttentionParams& p,
                                         int b, int h, int row0) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   if (p.lse == nullptr || t != 0) return;
-  float* row_lse = p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
+  float* row_lse = lse_rows(p, b, h);
 #pragma unroll
   for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -931,8 +991,7 @@ __device__ __forceinline__ void put_rows(const float (&lse)[MT][2], const unsign
                                          int row0) {
   static_assert(!kF32Out, "put_rows stores 16-bit rows");
   __syncwarp();
-  store_staged<Tile, MT * 16>(tile, tile_row,
-                              static_cast<unsigned short*>(head_rows(p.o, p.o_stride, b, h)),
+  store_staged<Tile, MT * 16>(tile, tile_row, static_cast<unsigned short*>(out_rows(p, b, h)),
                               p.o_stride[2], row0, p.q_len);
   put_lse(lse, p, b, h, row0);
 }
@@ -950,9 +1009,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
                                            const FlexcAttentionParams& p, int b, int h, int row0) {
   if constexpr (kAddOut) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    float* row_lse =
-        p.lse == nullptr ? nullptr : p.lse + (static_cast<long long>(b) * p.q_heads + h) * p.q_len;
-    float* o = static_cast<float*>(head_rows(p.o, p.o_stride, b, h));
+    float* row_lse = p.lse == nullptr ? nullptr : lse_rows(p, b, h);
+    float* o = static_cast<float*>(out_rows(p, b, h));
     float merged[MT][2];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -989,8 +1047,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[MT][DT][4],
         }
   } else {
     store_fragments<Tile, BF16>(
-        acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row,
-        head_rows(p.o, p.o_stride, b, h), p.o_stride[2], row0, p.q_len);
+        acc, [&](int i, int r) { return inv_sum[i][r]; }, tile, tile_row, out_rows(p, b, h),
+        p.o_stride[2], row0, p.q_len);
     put_lse(lse, p, b, h, row0);
   }
 }

@@ -31,7 +31,7 @@ struct Options {
   std::string arch, dtype = "bf16", kernels = "all", out_dir, emit, precision;
   std::string gate_dtype = "float32";  // linear-attention configs' gates
   int head_dim = 128, v_head_dim = 0;
-  bool timings = false, positions = false, f32_out = false, accumulate = false;
+  bool timings = false, positions = false, f32_out = false, accumulate = false, varlen = false;
 };
 
 // A comma-separated list; an empty list or item is an error naming the option.
@@ -80,6 +80,7 @@ void run(const Options& o) {
     for (const std::string& name : split(o.kernels, "--kernel"))
       builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions, o.f32_out,
                         o.accumulate});
+  for (KernelBuild& b : builds) b.varlen = o.varlen;
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
   for (const std::string& e : o.emit.empty() ? std::vector<std::string>{} : split(o.emit, "--emit")) {
@@ -184,6 +185,9 @@ const Register reg{
       c->add_flag("--accumulate", o->accumulate,
                   "with --f32-out: the backward's build adding into dq, dk, dv "
                   "(BackwardOptions::accumulate)");
+      c->add_flag("--varlen", o->varlen,
+                  "the forward kernels' build for packed sequences (AttentionOptions::packed); "
+                  "with --kernel naming them (a backward kernel is an error)");
       add_precision_option(c, o->precision);
       c->callback([o] { run(*o); });
     }};
