@@ -16,6 +16,11 @@ With --head-dims, noop and causal at S = 4k / 16k and softcap at 16k for D = 96,
 noop_dv128 / causal_dv128 with q / k head dim 192 and v's 128 (H = 16; bench_attention
 --head-dims runs the same). FLOPs then count 2*B*H*S*S*(D + Dv)*density.
 
+With --packed, noop and causal as B packed sequences of S tokens (flexc: bench_attention --packed,
+rows KERNEL_packed beside the dense ones): FA2 is then PyTorch's varlen_attn over the same packed
+tensors, Flex a document mask over the pack as one sequence of 16k tokens (FlexAttention's way to
+run packed sequences), cuDNN the dense call on the same tokens.
+
 With --backward, the backward pass alone is timed (torch.autograd.grad of a saved forward, with
 the flexc numbers from bench_attention --backward), FLOPs 2.5 times the forward's.
 
@@ -192,7 +197,30 @@ def timed(fn, backward, inputs, reps):
     return time_ms(lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True), reps)
 
 
-def run_peers(reps, only, backward, gallery, head_dims, seqs):
+def packed_peers(row, name, b, h, s, d, reps, flex, device):
+    """--packed: FA2's varlen over the pack, and Flex's document mask over it as one sequence."""
+    causal = name == "causal"
+    t = b * s
+    qp, kp, vp = (torch.randn(t, h, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.arange(0, t + 1, s, device=device, dtype=torch.int32)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        window = (-1, 0) if causal else (-1, -1)
+        row["sdpa_flash"] = time_ms(lambda: varlen_attn(qp, kp, vp, cu, cu, s, s,
+                                                        window_size=window), reps)
+    except (ImportError, RuntimeError) as e:
+        print(f"# varlen_attn {name} S={s} D={d}: {str(e).splitlines()[0]}", file=sys.stderr)
+    doc = torch.arange(t, device=device) // s
+    if causal:
+        mask_mod = lambda bb, hh, q, kv: (doc[q] == doc[kv]) & (q >= kv)
+    else:
+        mask_mod = lambda bb, hh, q, kv: doc[q] == doc[kv]
+    bm = create_block_mask(mask_mod, None, None, t, t, device=device)
+    q1, k1, v1 = (x.view(1, t, h, d).transpose(1, 2).contiguous() for x in (qp, kp, vp))
+    row["flex"] = time_ms(lambda: flex(q1, k1, v1, block_mask=bm), reps)
+
+
+def run_peers(reps, only, backward, gallery, head_dims, seqs, packed=False):
     device = "cuda"
     # One compiled kernel per shape and variant: let dynamo keep them all.
     torch._dynamo.config.cache_size_limit = 256
@@ -212,6 +240,17 @@ def run_peers(reps, only, backward, gallery, head_dims, seqs):
         dens = density(mask_mod, s, device)
         flops = (2.5 if backward else 1.0) * 2.0 * b * h * s * s * (d + dv) * dens
         row = {"density": dens}
+        if packed:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                row["sdpa_cudnn"] = time_ms(lambda: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=name == "causal"), reps)
+            packed_peers(row, name, b, h, s, d, reps, flex, device)
+            row["tflops"] = {k2: flops / t * 1e-9 for k2, t in row.items() if k2 != "density"}
+            results[(name, s, d)] = row
+            print(f"# {name:15s} S={s:5d} D={d:3d} packed: " +
+                  " ".join(f"{k2} {t:.1f}" for k2, t in row["tflops"].items()), file=sys.stderr)
+            del q, k, v
+            continue
         if name.removesuffix("_dv128") in ("noop", "causal") and not gallery:
             for backend, label in ((SDPBackend.FLASH_ATTENTION, "sdpa_flash"),
                                    (SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn")):
@@ -256,17 +295,26 @@ def main():
     ap.add_argument("--gallery", help="run this gallery's variants (tools/gallery.json) instead")
     ap.add_argument("--head-dims", action="store_true",
                     help="run noop, causal and softcap at D = 96, 192, 256 (H = 16) instead")
+    ap.add_argument("--packed", action="store_true",
+                    help="noop and causal as packed sequences (FA2: varlen_attn; Flex: a "
+                         "document mask over the pack); flexc's --flexc command with --packed")
     ap.add_argument("--seqs", type=lambda t: tuple(int(x) for x in t.split(",")),
                     help="sequence lengths of noop and causal (default 1k, 4k, 16k) or of the "
                          "gallery's (default 8k, 16k), comma-separated (bench_attention --seqs)")
     args = ap.parse_args()
     gallery = json.load(open(args.gallery))["variants"] if args.gallery else None
     ours = run_flexc(args.flexc) if args.flexc else {}
-    peers = run_peers(args.reps, args.only, args.backward, gallery, args.head_dims, args.seqs)
+    if args.packed and (args.backward or gallery or args.head_dims):
+        ap.error("--packed times the forward of noop and causal")
+    peers = run_peers(args.reps, args.only or (["noop", "causal"] if args.packed else None),
+                      args.backward, gallery, args.head_dims, args.seqs, args.packed)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     hdr = f"{'case':15s} {'kernel':8s} {'S':>5s} {'D':>3s} {'dens':>6s} {'flexc':>6s} {'FA2':>6s} " \
           f"{'cuDNN':>6s} {'Flex':>6s} {'x FA2':>6s} {'x cuDNN':>7s} {'x Flex':>6s}"
     print("TFLOP/s; x PEER = flexc / peer (time ratio)")
+    if args.packed:
+        print("packed: FA2 = varlen_attn over the pack, cuDNN = the dense call on the same tokens, "
+              "Flex = a document mask over the pack as one sequence")
     print(hdr)
     for key, row in peers.items():
         name, s, d = key
