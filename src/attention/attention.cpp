@@ -321,10 +321,8 @@ KernelSpec attention_fwd_sm90_spec(const KernelConfig& cfg) {
       detail::fwd_config_sm90(cfg.head_dim, v_head_dim(cfg), cfg.block_m, cfg.wide_kv);
   check_dtype("attention_fwd_sm90", cfg);
   check_sm90_arch("attention_fwd_sm90", cfg);
-  if (cfg.varlen && (cfg.persistent || cfg.tile_tma))
-    throw Error(
-        "attention_fwd_sm90 over packed sequences (varlen) takes a CTA per work item and "
-        "no tile TMA (persistent and tile_tma must be off)");
+  if (cfg.varlen && cfg.tile_tma)
+    throw Error("attention_fwd_sm90 over packed sequences (varlen) takes no tile TMA");
   KernelSpec spec{
       "attention_fwd_sm90.cuh",
       "flexc_attention_fwd_sm90",
@@ -543,11 +541,10 @@ void forward(const TensorView& q, const TensorView& k, const TensorView& v, cons
   kc.positions = pos.need_kernel(q_len, kv_len, true);
   kc.f32_out = out.dtype == DType::F32, kc.accumulate = opts.accumulate;
   kc.varlen = packed != nullptr;
-  // Short sequences on Hopper: a persistent grid (a CTA per item over packed sequences).
-  kc.persistent =
-      hopper && !packed &&
-      detail::fwd_sm90_persistent(cfg, int(D), int(Dv), kv_len,
-                                  (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
+  // Short sequences on Hopper: a persistent grid (over packed sequences, by the longest).
+  kc.persistent = hopper && detail::fwd_sm90_persistent(
+                                cfg, int(D), int(Dv), kv_len,
+                                (q_len + cfg.block_m - 1) / cfg.block_m * Hq * B, dev.sms);
   // score_mod's [Q_LEN, KV_LEN] tile load by TMA on Hopper, where the capture's layout and shared
   // memory allow (templates/attention/attention_fwd_sm90.cuh, kTileTma).
   const dsl::LaunchFacts& facts = impl.facts;

@@ -82,15 +82,9 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   // Heaviest q tiles first: under a causal mask the last ones visit the most kv tiles.
   const int m_block = gridDim.x - 1 - blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;
-#if FLEXC_VARLEN
-  // Packed sequences: sequence b's rows; the grid covers the longest.
-  bool keys_ok;
-  const FlexcAttentionParams p = flexc_attn::sequence_params(params, b, keys_ok);
-  if (m_block * kBlockM >= p.q_len) return;
-  if (!keys_ok) return flexc_attn::put_nan_rows<kBlockM, kDv, kThreads>(p, b, h, m_block * kBlockM);
-#else
-  const FlexcAttentionParams& p = params;
-#endif
+  // Packed sequences: sequence b's rows (item_params); the grid covers the longest.
+  auto&& p = flexc_attn::item_params(params, b);
+  if (flexc_attn::kVarlen && m_block * kBlockM >= p.q_len) return;
   const int h_kv = h / (p.q_heads / p.kv_heads);
   const int q0 = m_block * kBlockM;
   const int warp = threadIdx.x >> 5;
@@ -201,5 +195,6 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd::kThreads)
   float inv_sum[kMT][2], lse[kMT][2];
   softmax.finish(flexc_attn::units_log2(p), flexc_attn::units_ln(p), inv_sum, lse);
   flexc_attn::add_row_terms(inv_sum, lse, p, args, b, h, row0);
+  flexc_attn::nan_if_bad_keys(params, b, inv_sum, lse);
   flexc_attn::store_rows<OTile, kBf16>(acc, inv_sum, lse, smem, warp * kWarpRows, p, b, h, row0);
 }

@@ -433,8 +433,8 @@ __device__ __forceinline__ void produce(const Smem& sm, volatile unsigned* ring,
 // tables of each kv tile the producer thread hands over, until it hands over kEnd. `base`: the
 // shared memory at sm.q, for the tables' generic pointers.
 __device__ __forceinline__ void load_staged(const Smem& sm, unsigned char* base,
-                                            const FlexcAttentionParams& p, const FlexcArgs& args,
-                                            int tid) {
+                                            const FlexcAttentionParams& params,
+                                            const FlexcArgs& args, int tid) {
   for (int j = 0;; ++j) {
     const int s = j % kStages;
     mbar_wait(sm.t_go(s), (j / kStages) & 1);
@@ -442,6 +442,7 @@ __device__ __forceinline__ void load_staged(const Smem& sm, unsigned char* base,
     if (kv0 == kEnd) break;
     const unsigned bh = ld_shared_volatile(sm.staged_head(s));
     const int b = int(bh >> 16), h = int(bh & 0xffffu);
+    auto&& p = flexc_attn::item_params(params, b);
     if constexpr (Staged::kBytes > 0)
       Staged::load(sm.t_tile(s), p, args, b, h, int(kv0), tid, kLoaders);
     if constexpr (RelTable::kTerms > 0) {
@@ -481,19 +482,14 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   volatile unsigned* ring = reinterpret_cast<volatile unsigned*>(q_smem + (sm.ring - sm.q));
   // Warp-uniform to the compiler too (a shuffle from lane 0), so role branches stay uniform.
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
-#if FLEXC_VARLEN
-  // Packed sequences: the CTA's sequence's rows (a CTA per item: the host builds no persistent
-  // grid here); the grid covers the longest, and q tiles past this one's leave at once.
-  static_assert(!kPersistent && !kTileTma, "packed sequences take a CTA per item, no tile TMA");
-  bool keys_ok;
-  const FlexcAttentionParams p = flexc_attn::sequence_params(params, int(blockIdx.z), keys_ok);
-  const Item it = cta_item();
-  if (it.m_block * kBlockM >= p.q_len) return;
-  if (!keys_ok)
-    return flexc_attn::put_nan_rows<kBlockM, kDv, kThreads>(p, it.b, it.h, it.m_block * kBlockM);
-#else
-  const FlexcAttentionParams& p = params;
-#endif
+  // Packed sequences: each role computes on its item's sequence's view (item_params). A CTA per
+  // item covers the longest sequence, and q tiles past this one's leave at once; the persistent
+  // producer skips such items.
+  static_assert(!(flexc_attn::kVarlen && kTileTma), "packed sequences take no tile TMA");
+  if constexpr (flexc_attn::kVarlen && !kPersistent) {
+    const Item it = cta_item();
+    if (it.m_block * kBlockM >= flexc_attn::sequence_params(params, it.b).q_len) return;
+  }
 
   if (threadIdx.x == 0) {
     // The host sizes shared memory by this file's rule (src/attention/attention.cpp,
@@ -530,20 +526,30 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       if (threadIdx.x == 0) {
         int j = 0, k = 0;  // tiles and items so far
         if constexpr (kPersistent) {
-          const Items items(p);
-          for (int i = items.of_round(0); i < items.total; i = items.of_round(k + 1), ++k)
-            produce(sm, ring, tq, tk, tv, tb, bm, p, args, items.at(i), k, j);
+          const Items items(params);
+          for (int r = 0, i = items.of_round(0); i < items.total; i = items.of_round(++r)) {
+            const Item it = items.at(i);
+            if constexpr (flexc_attn::kVarlen) {
+              const FlexcAttentionParams s = flexc_attn::sequence_params(params, it.b);
+              if (it.m_block * kBlockM >= s.q_len) continue;
+              produce(sm, ring, tq, tk, tv, tb, bm, s, args, it, k++, j);
+            } else {
+              produce(sm, ring, tq, tk, tv, tb, bm, params, args, it, k++, j);
+            }
+          }
           // No item is left: the consumers stop at it.
           if (k > 0) mbar_wait(sm.q_empty(), (k - 1) & 1);
           st_shared(sm.item(), kEnd);
           mbar_arrive(sm.q_full());
         } else {
-          produce(sm, ring, tq, tk, tv, tb, bm, p, args, cta_item(), k, j);
+          const Item it = cta_item();
+          produce(sm, ring, tq, tk, tv, tb, bm, flexc_attn::item_params(params, it.b), args, it, k,
+                  j);
         }
         hand_over(sm, j, kEnd, 0, 0);
       }
     } else if (kStaging) {
-      load_staged(sm, q_smem, p, args, int(threadIdx.x) - 32);
+      load_staged(sm, q_smem, params, args, int(threadIdx.x) - 32);
     }
     return;
   }
@@ -551,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   const int cw = wg - 1;       // consumer 0, 1 (or 2)
   const int q_rows = cw * 64;  // its first row in the Q tile
   const int warp = (static_cast<int>(threadIdx.x) >> 5) - 4;  // warp among the consumers
-  const float to_log2 = flexc_attn::units_log2(p);
+  const float to_log2 = flexc_attn::units_log2(params);
   // Round robin: consumer c issues its products after consumer c - 1 issued its own. Per work
   // item, the last consumer lets consumer 0 go first and skips its last hand-over, so every
   // barrier phase that is started is completed before the next item (and the CTA's exit). All
@@ -577,15 +583,16 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
   // rows wait staged in shared memory, their LSEs and the item in registers (flush stores them).
   // At D 128: +2-4% without a mask at 1k and 2k, causal within the noise; at D 64 -6% (its short
   // Q.K^T hides less than the stores delay the first tile's softmax; docs/perf.md).
-  constexpr bool kDefer =
-      kPersistent && kSeparateO && kPeelFirst && !flexc_attn::kF32Out && kD == 128 && kDv == 128;
+  // (Not over packed sequences: the stores would need the previous item's sequence.)
+  constexpr bool kDefer = kPersistent && kSeparateO && kPeelFirst && !flexc_attn::kF32Out &&
+                          !flexc_attn::kVarlen && kD == 128 && kDv == 128;
   unsigned char* const o_smem = q_smem + (sm.o - sm.q);
   float done_lse[1][2];
   int done_b = -1, done_h = 0, done_row0 = 0;  // done_b < 0: nothing to store
   auto flush = [&] {
     if constexpr (kDefer) {
       if (done_b >= 0)
-        flexc_attn::put_rows<OTile>(done_lse, o_smem, warp * 16, p, done_b, done_h, done_row0);
+        flexc_attn::put_rows<OTile>(done_lse, o_smem, warp * 16, params, done_b, done_h, done_row0);
       done_b = -1;
     }
   };
@@ -607,6 +614,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
       it = cta_item();
     }
     const int h = it.h, b = it.b, q0 = it.m_block * kBlockM;
+    auto&& p = flexc_attn::item_params(params, b);
     const int active = active_consumers(p, q0);
     const int row0 = q0 + warp * 16;  // this warp's first query row
 
@@ -809,6 +817,7 @@ extern "C" __global__ void __launch_bounds__(flexc_fwd90::kThreads, 1)
     float inv_sum[1][2], lse[1][2];
     softmax.finish(to_log2, flexc_attn::units_ln(p), inv_sum, lse);
     flexc_attn::add_row_terms(inv_sum, lse, p, args, b, h, row0);
+    flexc_attn::nan_if_bad_keys(params, b, inv_sum, lse);
     if constexpr (kDefer) {
       __syncwarp();  // the warp's reads of its rows of the last item's O are done
       flexc_attn::stage_rows<OTile, kBf16>(o, inv_sum, o_smem, warp * 16);

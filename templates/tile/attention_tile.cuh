@@ -34,27 +34,52 @@ constexpr bool kPositions = FLEXC_POSITIONS != 0;
 #define FLEXC_VARLEN 0
 #endif
 constexpr bool kVarlen = FLEXC_VARLEN != 0;
-// Sequence b's view of packed params: its lengths, its first rows, and q, k, v, o and lse from
-// them (o and lse at out_rows / lse_rows: a register less held to the epilogue). Offsets that do
-// not describe rows of the tensors never read or write past them: a sequence whose queries fall
-// outside q's rows (or exceed q_len, the longest) gets none (its output is not written); one whose
-// keys do gets `keys_ok` false, and its CTAs write NaN rows (put_nan_rows) instead of attending.
-// Host checks: PackedSequences::check_device_args.
+// Sequence b's view of packed params: its lengths, its first rows, and q, k, v from them (o and
+// lse at out_rows / lse_rows: a register less held to the epilogue). Offsets that do not describe
+// rows of the tensors never read or write past them: a sequence whose queries fall outside q's
+// rows (or exceed q_len, the longest) gets none (its output is not written); one whose keys do
+// gets none and stores NaN rows (nan_if_bad_keys). Host checks:
+// PackedSequences::check_device_args.
+__device__ __forceinline__ bool keys_valid(const FlexcAttentionParams& p, int b) {
+  const int k0 = p.cu_seqlens_kv[b], k1 = p.cu_seqlens_kv[b + 1];
+  return 0 <= k0 && k0 <= k1 && k1 <= p.total_kv && k1 - k0 <= p.kv_len;
+}
 __device__ __forceinline__ FlexcAttentionParams sequence_params(const FlexcAttentionParams& p,
-                                                                int b, bool& keys_ok) {
+                                                                int b) {
   FlexcAttentionParams s = p;
   const int q0 = p.cu_seqlens_q[b], q1 = p.cu_seqlens_q[b + 1];
-  const int k0 = p.cu_seqlens_kv[b], k1 = p.cu_seqlens_kv[b + 1];
   const bool q_ok = 0 <= q0 && q0 <= q1 && q1 <= p.total_q && q1 - q0 <= p.q_len;
-  keys_ok = 0 <= k0 && k0 <= k1 && k1 <= p.total_kv && k1 - k0 <= p.kv_len;
+  const bool kv_ok = keys_valid(p, b);
   s.q_start = q_ok ? q0 : 0;
   s.q_len = q_ok ? q1 - q0 : 0;
-  s.kv_start = keys_ok ? k0 : 0;
-  s.kv_len = keys_ok ? k1 - k0 : 0;
+  s.kv_start = kv_ok ? p.cu_seqlens_kv[b] : 0;
+  s.kv_len = kv_ok ? p.cu_seqlens_kv[b + 1] - s.kv_start : 0;
   s.q = static_cast<const unsigned short*>(p.q) + s.q_start * p.q_stride[2];
   s.k = static_cast<const unsigned short*>(p.k) + s.kv_start * p.k_stride[2];
   s.v = static_cast<const unsigned short*>(p.v) + s.kv_start * p.v_stride[2];
   return s;
+}
+// The params a work item of sequence b computes on: its view under kVarlen, the params
+// themselves (a reference) otherwise.
+__device__ __forceinline__ decltype(auto) item_params(const FlexcAttentionParams& p, int b) {
+  if constexpr (kVarlen) {
+    return sequence_params(p, b);
+  } else {
+    return (p);
+  }
+}
+// A packed sequence whose key offsets are bad stores its rows as NaN (its view has no keys):
+// read from `params` (the kernel's) again at the epilogue rather than held through the loop.
+template <int MT>
+__device__ __forceinline__ void nan_if_bad_keys(const FlexcAttentionParams& params, int b,
+                                                float (&inv_sum)[MT][2], float (&lse)[MT][2]) {
+  if constexpr (kVarlen) {
+    if (keys_valid(params, b)) return;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) inv_sum[i][r] = lse[i][r] = __int_as_float(0x7fffffff);
+  }
 }
 // Row 0 of head (b, h)'s LSEs: [B, q_heads, q_len], or packed [q_heads, total_q] from the
 // sequence's first row (sequence_params).
@@ -125,6 +150,7 @@ struct TileSchedule {
 
   // For the tile whose first fixed-axis index is `fixed0`, walking an axis of length `len`.
   __device__ TileSchedule(const FlexcBlockMask& bm, int b, int h, int fixed0, int len) {
+    if (kVarlen && len <= 0) return;  // a packed sequence without keys visits none
     if (bm.kv_num == nullptr) {
       count = (len + BLOCK - 1) / BLOCK;
       dense_partial = !FlexcVariant::kMaskAlwaysTrue;
@@ -937,24 +963,6 @@ __device__ __forceinline__ void add_row_terms(float (&inv_sum)[MT][2], float (&l
         }
       }
   }
-}
-
-// Rows [q0, q0 + ROWS) of head (b, h) below q_len as NaN, and their LSEs, by THREADS threads: a
-// packed sequence whose keys' offsets are bad (sequence_params).
-template <int ROWS, int DV, int THREADS>
-__device__ void put_nan_rows(const FlexcAttentionParams& p, int b, int h, int q0) {
-  const int rows = min(ROWS, p.q_len - q0);
-  char* o = static_cast<char*>(out_rows(p, b, h));
-  for (int i = threadIdx.x; i < rows * DV; i += THREADS) {
-    char* at = o + ((q0 + i / DV) * p.o_stride[2] + i % DV) * (kF32Out ? 4 : 2);
-    if constexpr (kF32Out)
-      *reinterpret_cast<float*>(at) = __int_as_float(0x7fffffff);
-    else
-      *reinterpret_cast<unsigned short*>(at) = 0x7fff;  // NaN in bf16 and fp16 alike
-  }
-  if (p.lse != nullptr)
-    for (int r = threadIdx.x; r < rows; r += THREADS)
-      lse_rows(p, b, h)[q0 + r] = __int_as_float(0x7fffffff);
 }
 
 // A warp's rows' LSEs (rows at or past q_len skipped), where p.lse is set.
