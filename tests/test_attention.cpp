@@ -783,6 +783,13 @@ TEST_CASE("flexc::attention names the bad argument", "[attention]") {
   bad.lse = TensorView{lse_mem.data(), DType::F32, {1, 4, 16}, {}};
   CHECK_THAT(err(pq, pk_k, pout, bad),
              Contains("lse must be contiguous float32 [Hq, TOTAL_Q] = [4, 16] with packed"));
+  CHECK_THAT(err(pq, TensorView{mk.data() + 8, DType::BF16, {32, 2, 32}, {}}, pout, pk),
+             Contains("packed sequences: k must be [TOTAL_KV, Hkv, D] = [*, *, 64] like q"));
+  CHECK_THAT(err(pq, pk_k, TensorView{mo.data() + 8, DType::BF16, {16, 4, 32}, {}}, pk),
+             Contains("packed sequences: out must be [TOTAL_Q, Hq, Dv] = [16, 4, 64]"));
+  bad = pk;
+  bad.packed->cu_seqlens_q = TensorView{mo.data() + 64, DType::I32, {3}, {}};
+  CHECK_THAT(err(pq, pk_k, pout, bad), Contains("out overlaps packed.cu_seqlens_q"));
   // A BlockMask cannot serve sequences of different lengths when mask_mod reads them.
   const Variant br = Variant::from_catalogue("causal_bottom_right");
   const BlockMask br_mask = create_block_mask(br, 2, 4, 16, 32);
@@ -980,10 +987,7 @@ TEST_CASE("the Hopper kernel keeps its wgmmas asynchronous and barely spills, ev
         CHECK(log.find("C751") == std::string::npos);
         // More than a few bytes would mean a loop's working set no longer fits.
         CHECK(spill_bytes(log, "flexc_attention_fwd_sm90") <= 8);
-        // (dilated_window's packed build, whose consumers hold the sequence's lengths beside
-        // the mask's runtime modulo, spills at 192 rows: 128-row tiles.)
-        if (d == 64 && name != "softcap" && !(build.varlen && name == "dilated_window"))
-          CHECK(tall);
+        if (d == 64 && name != "softcap") CHECK(tall);
       }
   }
   // score_mod's and mask_mod's per-key loads are staged in shared memory by the producer's
@@ -1972,7 +1976,8 @@ TEST_CASE("packed sequences (varlen) match the reference sequence by sequence", 
   // sequence against the reference as a batch of its own: the mods see b = the sequence, its
   // positions from 0 and its lengths (causal_bottom_right reads them: no BlockMask there).
   const std::vector<int64_t> lq{300, 1, 0, 517, 129, 64}, lkv{250, 64, 17, 517, 1000, 0};
-  // (Hq 16: enough work items for the Hopper kernel's persistent grid at these lengths.)
+  // (Hq 16: enough work items, 480, for the Hopper kernel's persistent grid at these lengths,
+  // which noop, causal, softcap, sliding_window and causal_bottom_right take.)
   const int64_t n = int64_t(lq.size()), Hq = 16, Hkv = 4, pad = 8;
   const Variant bias_b = Variant::from_strings("score + bias[b]", "q_idx >= kv_idx",
                                                {{"bias", "float32", {"B"}}}, {}, "bias_b");
@@ -2087,44 +2092,62 @@ TEST_CASE("packed sequences (varlen) match the reference sequence by sequence", 
     }
 
   // Offsets past the rows never read or write out of bounds: the last sequence's keys past k's
-  // rows make its rows NaN, its queries past q's rows skip it (its rows keep the poison, NaN
-  // bits here too, so the first check reads the outputs of sequence 0 as well); with
-  // check_device_args, an error names the argument.
+  // rows make its rows and LSEs NaN, its queries past q's rows skip it (its rows and LSEs keep
+  // the poison, a finite pattern); the other sequences' rows are the mean of zeros. 16-bit and
+  // float32 outputs. With check_device_args, an error names the argument.
   const int64_t D = 128;
   flexc::DeviceBuffer zq(total_q * Hq * D * 2), zkv(total_kv * Hkv * D * 2);
   zq.fill(0), zkv.fill(0);
   const TensorView q{zq.get(), DType::BF16, {total_q, Hq, D}, {}},
       kv{zkv.get(), DType::BF16, {total_kv, Hkv, D}, {}};
-  flexc::DeviceBuffer out(total_q * Hq * D * 2);
-  const TensorView out_view{out.get(), DType::BF16, {total_q, Hq, D}, {}};
+  flexc::DeviceBuffer out(total_q * Hq * D * 4), lse(total_q * Hq * 4);
+  const int64_t last = cu_q[n - 1];  // the last sequence's first row
   for (FwdKernel kernel : kernels_for(D))
-    for (bool bad_q : {false, true}) {
-      std::vector<int32_t> bad_cu = bad_q ? cu_q : cu_kv;
-      bad_cu.back() += 5;
-      const flexc::DeviceBuffer dbad = flexc::DeviceBuffer::from<int32_t>(bad_cu);
-      AttentionOptions o;
-      o.kernel = kernel;
-      o.packed = PackedSequences{{(bad_q ? dbad : dcu_q).get(), DType::I32, {n + 1}, {}},
-                                 {(bad_q ? dcu_kv : dbad).get(), DType::I32, {n + 1}, {}},
-                                 517,
-                                 1000};
-      out.fill(0xff);
-      attention(q, kv, kv, out_view, Variant::from_catalogue("noop"), o);
-      flexc::synchronize_device();
-      const std::vector<uint16_t> bits = out.to_vector<uint16_t>(total_q * Hq * D);
-      INFO(to_string(kernel) << (bad_q ? " bad cu_seqlens_q" : " bad cu_seqlens_kv"));
-      CHECK(bits.front() == 0);  // sequence 0: the mean of zeros
-      const int64_t last = cu_q[n - 1] * Hq * D;
-      CHECK(std::all_of(bits.begin() + last, bits.end(), [&](uint16_t x) {
-        return bad_q ? x == 0xffff : std::isnan(bf16_to_float(x));
-      }));
-      o.packed->check_device_args = true;
-      CHECK_THROWS_WITH(attention(q, kv, kv, out_view, Variant::from_catalogue("noop"), o),
-                        Contains(fmt::format("packed.cu_seqlens_{} must run from 0 to {} (the "
-                                             "packed rows); it runs from 0 to {}",
-                                             bad_q ? "q" : "kv", bad_q ? total_q : total_kv,
-                                             (bad_q ? total_q : total_kv) + 5)));
-    }
+    for (bool f32 : {false, true})
+      for (bool bad_q : {false, true}) {
+        std::vector<int32_t> bad_cu = bad_q ? cu_q : cu_kv;
+        bad_cu.back() += 5;
+        const flexc::DeviceBuffer dbad = flexc::DeviceBuffer::from<int32_t>(bad_cu);
+        AttentionOptions o;
+        o.kernel = kernel;
+        o.packed = PackedSequences{{(bad_q ? dbad : dcu_q).get(), DType::I32, {n + 1}, {}},
+                                   {(bad_q ? dcu_kv : dbad).get(), DType::I32, {n + 1}, {}},
+                                   517,
+                                   1000};
+        o.lse = TensorView{lse.get(), DType::F32, {Hq, total_q}, {}};
+        out.fill(0x7b), lse.fill(0x7b);  // finite: 0x7b7b in bf16, 0x7b7b7b7b in float32
+        const TensorView out_view{out.get(), f32 ? DType::F32 : DType::BF16, {total_q, Hq, D}, {}};
+        attention(q, kv, kv, out_view, Variant::from_catalogue("noop"), o);
+        flexc::synchronize_device();
+        // The outputs as floats, the poison as NaN-free `poison`.
+        std::vector<float> x;
+        float poison;
+        if (f32) {
+          x = out.to_vector<float>(total_q * Hq * D);
+          std::memcpy(&poison, "\x7b\x7b\x7b\x7b", 4);
+        } else {
+          for (uint16_t bits : out.to_vector<uint16_t>(total_q * Hq * D))
+            x.push_back(bf16_to_float(bits));
+          poison = bf16_to_float(0x7b7b);
+        }
+        const std::vector<float> l = lse.to_vector<float>(total_q * Hq);
+        INFO(to_string(kernel) << (f32 ? " float32 out" : " bf16 out")
+                               << (bad_q ? ", bad cu_seqlens_q" : ", bad cu_seqlens_kv"));
+        CHECK(std::all_of(x.begin(), x.begin() + last * Hq * D, [](float y) { return y == 0; }));
+        const auto bad_row = [&](float y) { return bad_q ? y == poison : std::isnan(y); };
+        CHECK(std::all_of(x.begin() + last * Hq * D, x.end(), bad_row));
+        float lse_poison;
+        std::memcpy(&lse_poison, "\x7b\x7b\x7b\x7b", 4);
+        for (int64_t h = 0; h < Hq; ++h)
+          for (int64_t t = last; t < total_q; ++t)
+            CHECK((bad_q ? l[h * total_q + t] == lse_poison : std::isnan(l[h * total_q + t])));
+        o.packed->check_device_args = true;
+        CHECK_THROWS_WITH(attention(q, kv, kv, out_view, Variant::from_catalogue("noop"), o),
+                          Contains(fmt::format("packed.cu_seqlens_{} must run from 0 to {} (the "
+                                               "packed rows); it runs from 0 to {}",
+                                               bad_q ? "q" : "kv", bad_q ? total_q : total_kv,
+                                               (bad_q ? total_q : total_kv) + 5)));
+      }
 }
 
 TEST_CASE("a float32 out is the output unrounded", "[gpu]") {

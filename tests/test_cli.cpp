@@ -84,6 +84,16 @@ TEST_CASE("numbers on the command line are decimal, in range, with readable limi
           "attention_bwd_sm90 takes no packed sequences (varlen): the forward kernels do");
 }
 
+TEST_CASE("compile --varlen builds the forward kernels for packed sequences", "[cli]") {
+  const Result r = run_cli("compile @causal --arch sm_90 --head-dim 64 --varlen");
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("causal: attention_fwd (sm_90): ") != std::string::npos);
+  CHECK(r.output.find("causal: attention_fwd_sm90 (sm_90a): ") != std::string::npos);
+  CHECK(r.output.find("attention_bwd") == std::string::npos);
+  CHECK(r.output.find("attention_decode") == std::string::npos);
+}
+
 TEST_CASE("repeated NAME=VALUE options and empty lists are errors", "[cli]") {
   refused("blockmask @sliding_window --q-len 64 --param window=5 --param window=6 --device cpu",
           "--param window given twice");

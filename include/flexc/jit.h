@@ -45,8 +45,8 @@ struct KernelBuild {
   // equal head dims 128, 192, 256), which flexc::attention runs where the variant's hooks load
   // nothing per tile (docs/attention.md). Another kernel, or other head dims, throw.
   bool wide_kv = false;
-  // The forward kernels' build for packed sequences (AttentionOptions::packed), which such calls
-  // run (docs/attention.md). A backward kernel throws.
+  // The forward attention kernels' build for packed sequences (AttentionOptions::packed), which
+  // such calls run (docs/attention.md). The backward kernels throw; the others ignore it.
   bool varlen = false;
 };
 

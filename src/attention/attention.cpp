@@ -399,7 +399,23 @@ Packed packed_views(const TensorView& q, const TensorView& k, const TensorView& 
   pk.count = cq.shape[0] - 1;
   detail::check_int_vector(kWhat, "packed.cu_seqlens_q", cq, pk.count + 1, "B + 1");
   detail::check_int_vector(kWhat, "packed.cu_seqlens_kv", ps.cu_seqlens_kv, pk.count + 1, "B + 1");
-  const int64_t total_q = q.shape[0], total_kv = k.shape[0];
+  const int64_t total_q = q.shape[0], total_kv = k.shape[0], Hq = q.shape[1], D = q.shape[2];
+  // The shapes in the caller's terms (forward() checks the views again).
+  if (k.shape[2] != D)
+    fail(fmt::format("packed sequences: k must be [TOTAL_KV, Hkv, D] = [*, *, {}] like q; got {}",
+                     D, k.describe()));
+  if (v.shape[0] != total_kv || v.shape[1] != k.shape[1])
+    fail(fmt::format("packed sequences: v must be [TOTAL_KV, Hkv, Dv] = [{}, {}, *] like k; got {}",
+                     total_kv, k.shape[1], v.describe()));
+  if (out.shape != std::vector<int64_t>{total_q, Hq, v.shape[2]})
+    fail(fmt::format("packed sequences: out must be [TOTAL_Q, Hq, Dv] = [{}, {}, {}]; got {}",
+                     total_q, Hq, v.shape[2], out.describe()));
+  // The kernels read the offsets while they write out and lse.
+  for (auto [name, t] : {std::pair{"cu_seqlens_q", &cq}, {"cu_seqlens_kv", &ps.cu_seqlens_kv}}) {
+    if (detail::overlap(out, *t)) fail(fmt::format("out overlaps packed.{}", name));
+    if (opts.lse && detail::overlap(*opts.lse, *t))
+      fail(fmt::format("lse overlaps packed.{}", name));
+  }
   for (auto [name, len, total] : {std::tuple{"max_seqlen_q", ps.max_seqlen_q, total_q},
                                   {"max_seqlen_kv", ps.max_seqlen_kv, total_kv}})
     if (len < 0 || len > total)
@@ -408,7 +424,6 @@ Packed packed_views(const TensorView& q, const TensorView& k, const TensorView& 
     fail("packed sequences take no q_offset, kv_offset, seq_q_len, seq_kv_len or accumulate");
   if (opts.lse) {
     const TensorView& l = *opts.lse;
-    const int64_t Hq = q.shape[1];
     if (l.dtype != DType::F32 || l.shape != std::vector<int64_t>{Hq, total_q} ||
         (!l.strides.empty() && l.strides != std::vector<int64_t>{total_q, 1}) ||
         l.data == nullptr || reinterpret_cast<uintptr_t>(l.data) % 4 != 0)

@@ -36,7 +36,8 @@ struct KernelConfig {
   // into them and merges the forward's into O and its LSE (kAddOut): ring attention's blocks.
   bool f32_out = false, accumulate = false;
   // The forward kernels: packed sequences (FlexcAttentionParams::cu_seqlens_q; templates/tile/
-  // attention_tile.cuh, kVarlen); the Hopper one then takes no persistent grid or tile TMA.
+  // attention_tile.cuh, kVarlen); the Hopper one then takes no tile TMA. The backward kernels
+  // throw; the others ignore it.
   bool varlen = false;
 };
 

@@ -72,14 +72,17 @@ void run(const Options& o) {
 
   // "all": the kernels that can be built for the arch (the Hopper kernels only for sm_90 / sm_90a).
   std::vector<KernelBuild> builds;
-  if (o.kernels == "all")
+  // (With --varlen, "all" means the forward attention kernels: the packed builds there are.)
+  if (o.kernels == "all") {
     for (const KernelInfo& k : kernel_templates(o.arch.empty() ? current_arch() : o.arch))
-      builds.push_back({k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions,
-                        o.f32_out, o.accumulate});
-  else
+      if (!o.varlen || k.name.starts_with("attention_fwd"))
+        builds.push_back({k.name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions, o.f32_out,
+                          o.accumulate});
+  } else {
     for (const std::string& name : split(o.kernels, "--kernel"))
       builds.push_back({name, o.arch, o.dtype, o.head_dim, o.v_head_dim, o.positions, o.f32_out,
                         o.accumulate});
+  }
   for (KernelBuild& b : builds) b.varlen = o.varlen;
 
   bool want_cu = false, want_ptx = false, want_cubin = false;
@@ -187,7 +190,7 @@ const Register reg{
                   "(BackwardOptions::accumulate)");
       c->add_flag("--varlen", o->varlen,
                   "the forward kernels' build for packed sequences (AttentionOptions::packed); "
-                  "with --kernel naming them (a backward kernel is an error)");
+                  "--kernel all then means those (naming a backward kernel is an error)");
       add_precision_option(c, o->precision);
       c->callback([o] { run(*o); });
     }};
